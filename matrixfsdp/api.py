@@ -1,0 +1,303 @@
+"""Public entry points: wrap a model, inspect its plan, control gradient sync, clip gradients."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from .collectives import Phase, TorchOwnerComm, comm_phase
+from .planner import Plan, make_plan
+from .runtime import MatrixFSDPState, MatrixGroup, MatrixParam
+from .runtime.selection import MatrixFilter, ParamSite, default_groups, param_specs, select_params
+
+__all__ = [
+    "clip_grad_norm_",
+    "fully_shard_matrix",
+    "get_plan",
+    "get_state",
+    "is_matrix_wrapped",
+    "set_requires_gradient_sync",
+]
+
+logger = logging.getLogger(__name__)
+
+_STATE_ATTR = "_matrixfsdp_state"
+
+
+def fully_shard_matrix(
+    model: nn.Module,
+    mesh: DeviceMesh | None = None,
+    *,
+    groups: Sequence[nn.Module] | None = None,
+    matrix_filter: MatrixFilter | None = None,
+    reshard_after_forward: bool = True,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    planner: object = None,
+) -> nn.Module:
+    """Shard ``model`` owner-style: each selected matrix whole on one rank, the tail in FSDP2.
+
+    Args:
+        model: the plain (unwrapped) model, already on the mesh's device type.
+        mesh: a 1-D ``DeviceMesh``; ``None`` builds one over the default process group on the
+            device type of the model's parameters (CPU parameters mean a gloo CPU mesh).
+        groups: communication units (one gather and one reduction each); ``None`` means every
+            child of each outermost ``nn.ModuleList`` (the blocks), then the root.
+        matrix_filter: ``(fqn, param) -> bool`` choosing the matrices; ``None`` selects the 2-D
+            weights of ``nn.Linear`` modules inside a non-root group.
+        reshard_after_forward: free non-owned matrices after forward (regather in backward).
+        mp_policy: FSDP2 ``MixedPrecisionPolicy``; matrices compute in ``param_dtype`` and reduce
+            in ``reduce_dtype`` (default: the parameter's own dtype), owners keep the master.
+        planner: an ``LPTPlanner``, a cost-model name (``"bytes"``, ``"muon"``, ``"okls"``, ...)
+            or a callable ``(specs, world_size) -> Plan``; ``None`` balances resident bytes.
+
+    Returns the same module, changed in place.
+    """
+    _check_not_wrapped(model)
+    mesh = _resolve_mesh(model, mesh)
+    group_modules = _resolve_groups(model, groups)
+    sites = select_params(model, group_modules, matrix_filter, mesh.device_type)
+    plan = make_plan(param_specs(sites), mesh.size(), planner)
+    comm = TorchOwnerComm(mesh.get_group())
+    _check_plan_agrees(plan, comm.group)
+    matrix_groups = _build_groups(model, group_modules, sites, plan, comm, mp_policy)
+    ignored = {t for g in matrix_groups for p in g.params for t in (p.sharded, p.unsharded)}
+    _apply_fully_shard(model, group_modules, ignored, mesh, reshard_after_forward, mp_policy)
+    state = MatrixFSDPState(
+        root=model,
+        plan=plan,
+        groups=matrix_groups,
+        comm=comm,
+        mesh=mesh,
+        reshard_after_forward=reshard_after_forward,
+    )
+    state.register_hooks()
+    model.__dict__[_STATE_ATTR] = state
+    logger.info(
+        "matrixfsdp: %d matrices in %d groups over %d ranks (plan %s, max/mean %.3f)",
+        len(plan.matrices), len(matrix_groups), plan.world_size, plan.plan_hash()[:12],
+        plan.imbalance("bytes"),
+    )
+    return model
+
+
+def get_state(model: nn.Module) -> MatrixFSDPState:
+    """The runtime state of a wrapped model (``ValueError`` if it was never wrapped)."""
+    state = model.__dict__.get(_STATE_ATTR)
+    if state is None:
+        raise ValueError(
+            f"{type(model).__name__} is not wrapped by matrixfsdp; call fully_shard_matrix(model)"
+        )
+    return state
+
+
+def is_matrix_wrapped(model: nn.Module) -> bool:
+    return _STATE_ATTR in model.__dict__
+
+
+def get_plan(model: nn.Module) -> Plan:
+    """The owner plan the model was wrapped with (a pydantic ``Plan``)."""
+    return get_state(model).plan
+
+
+def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -> None:
+    """Turn gradient reduction off for accumulation micro-batches (like FSDP2's method).
+
+    With sync off, every rank keeps its local full-size matrix gradients between backwards;
+    the next backward with sync on reduces the accumulated sum to the owners.
+    """
+    get_state(model).requires_grad_sync = bool(requires_gradient_sync)
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(bool(requires_gradient_sync), recurse=True)
+
+
+@torch.no_grad()
+def clip_grad_norm_(
+    model: nn.Module,
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+) -> torch.Tensor:
+    """Clip the global gradient norm over owned matrices and tail shards; return the norm.
+
+    Each element of the model's gradient lives on exactly one rank (matrices on their owner, the
+    tail in FSDP2 shards), so the global norm costs one scalar all-reduce.
+    """
+    if max_norm < 0:
+        raise ValueError(f"max_norm must be non-negative, got {max_norm}")
+    state = get_state(model)
+    grads = list(_local_grads(model.parameters()))
+    device = state.params[next(iter(state.params))].device if state.params else torch.device("cpu")
+    p = float(norm_type)
+    if math.isinf(p):
+        local = max((g.abs().max().float() for g in grads if g.numel()), default=None)
+        total = (local if local is not None else torch.zeros((), device=device)).reshape(1)
+        with comm_phase(Phase.OPTIMIZER):
+            total = state.comm.all_reduce_scalar(total.clone(), op="max")
+    else:
+        local = torch.zeros(1, dtype=torch.float32, device=device)
+        for g in grads:
+            local += g.float().abs().pow(p).sum()
+        with comm_phase(Phase.OPTIMIZER):
+            total = state.comm.all_reduce_scalar(local, op="sum").pow(1.0 / p)
+    total = total.reshape(())
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(f"the total norm of order {norm_type} of gradients is non-finite")
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef.to(g.dtype))
+    return total
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+def _local_grads(params: Iterable[nn.Parameter]) -> Iterable[torch.Tensor]:
+    for param in params:
+        grad = param.grad
+        if grad is None:
+            continue
+        yield grad.to_local() if isinstance(grad, DTensor) else grad
+
+
+def _check_not_wrapped(model: nn.Module) -> None:
+    if is_matrix_wrapped(model):
+        raise ValueError(
+            f"{type(model).__name__} is already wrapped by fully_shard_matrix; wrap a model once"
+        )
+    for name, module in model.named_modules():
+        if isinstance(module, FSDPModule):
+            raise ValueError(
+                f"module {name or '<root>'!r} was already wrapped by fully_shard; apply "
+                "fully_shard_matrix to the plain model instead (it calls fully_shard itself)"
+            )
+
+
+def _resolve_mesh(model: nn.Module, mesh: DeviceMesh | None) -> DeviceMesh:
+    if mesh is not None:
+        if not isinstance(mesh, DeviceMesh) or mesh.ndim != 1:
+            shape = getattr(mesh, "shape", None)
+            raise ValueError(
+                f"mesh must be a 1-D DeviceMesh, got {type(mesh).__name__} with shape {shape}; "
+                "pass mesh['dp'] (the data-parallel dimension) or None for all ranks"
+            )
+        return mesh
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError(
+            "fully_shard_matrix needs torch.distributed: launch with torchrun and call "
+            "torch.distributed.init_process_group() first, or pass a mesh"
+        )
+    param = next(model.parameters(), None)
+    device_type = param.device.type if param is not None else "cpu"
+    if device_type == "meta":
+        raise ValueError(
+            "the model's parameters are on 'meta'; materialize them (to_empty + init) before "
+            "fully_shard_matrix"
+        )
+    return init_device_mesh(device_type, (dist.get_world_size(),))
+
+
+def _resolve_groups(model: nn.Module, groups: Sequence[nn.Module] | None) -> list[nn.Module]:
+    if groups is None:
+        return default_groups(model)
+    modules = list(groups)
+    for m in modules:
+        if not isinstance(m, nn.Module):
+            raise ValueError(f"groups must hold nn.Module objects, got {type(m).__name__}")
+    return [m for m in modules if m is not model] + [model]
+
+
+def _check_plan_agrees(plan: Plan, group: dist.ProcessGroup | None) -> None:
+    """Every rank must compute the same plan; compare SHA-256 digests across ranks."""
+    world = dist.get_world_size(group)
+    if world == 1:
+        return
+    digest = bytes.fromhex(plan.plan_hash())
+    device = _group_device(group)
+    mine = torch.tensor(list(digest), dtype=torch.uint8, device=device)
+    everyone = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(everyone, mine, group=group)
+    hashes = [bytes(t.cpu().tolist()).hex()[:16] for t in everyone]
+    if len(set(hashes)) != 1:
+        raise ValueError(
+            f"ranks computed different owner plans (plan hash prefix per rank: {hashes}); the plan "
+            "must be a pure function of the model: build the same model with the same "
+            "matrix_filter, groups and planner on every rank"
+        )
+
+
+def _group_device(group: dist.ProcessGroup | None) -> torch.device:
+    backend = dist.get_backend(group)
+    if "nccl" in str(backend) and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _build_groups(
+    model: nn.Module,
+    group_modules: Sequence[nn.Module],
+    sites: Sequence[ParamSite],
+    plan: Plan,
+    comm: TorchOwnerComm,
+    mp_policy: MixedPrecisionPolicy | None,
+) -> list[MatrixGroup]:
+    module_of_group = {_fqn_of(model, m): m for m in group_modules}
+    compute_dtype = mp_policy.param_dtype if mp_policy is not None else None
+    reduce_dtype = mp_policy.reduce_dtype if mp_policy is not None else None
+    by_group: dict[str, list[MatrixParam]] = {}
+    for site in sites:
+        if not site.is_matrix:
+            continue
+        placement = plan[site.fqn]
+        by_group.setdefault(site.group, []).append(
+            MatrixParam(
+                fqn=site.fqn, module=site.module, name=site.name, param=site.param,
+                owner_rank=int(placement.owner_rank),  # set for every matrix (Plan validates)
+                rank=comm.rank, compute_dtype=compute_dtype,
+            )
+        )
+    groups = []
+    for name, params in by_group.items():
+        dtypes = {p.dtype for p in params}
+        if len(dtypes) > 1:
+            raise NotImplementedError(
+                f"group {name or '<root>'!r} mixes matrix dtypes {sorted(map(str, dtypes))} "
+                f"({[p.fqn for p in params]}); cast the model to one dtype before wrapping"
+            )
+        groups.append(MatrixGroup(name, module_of_group[name], params, comm, reduce_dtype=reduce_dtype))
+    return groups
+
+
+def _fqn_of(model: nn.Module, module: nn.Module) -> str:
+    for name, m in model.named_modules(remove_duplicate=False):
+        if m is module:
+            return name
+    raise ValueError(f"{type(module).__name__} is not a submodule of the model")
+
+
+def _apply_fully_shard(
+    model: nn.Module,
+    group_modules: Sequence[nn.Module],
+    ignored: set[nn.Parameter],
+    mesh: DeviceMesh,
+    reshard_after_forward: bool,
+    mp_policy: MixedPrecisionPolicy | None,
+) -> None:
+    """Stock FSDP2 for the tail: every group, innermost first, then the root; matrices ignored."""
+    policy = mp_policy or MixedPrecisionPolicy()
+    depth = {id(m): _fqn_of(model, m).count(".") for m in group_modules}
+    inner_first = sorted(
+        (m for m in group_modules if m is not model), key=lambda m: -depth[id(m)]
+    )
+    for module in inner_first:
+        fully_shard(
+            module, mesh=mesh, reshard_after_forward=reshard_after_forward,
+            mp_policy=policy, ignored_params=ignored,
+        )
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy,
+                ignored_params=ignored)

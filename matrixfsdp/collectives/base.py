@@ -1,0 +1,141 @@
+"""The owner-segment communication interface and its call/byte counter.
+
+[Note: owner segments]
+Within one group, the matrices owned by rank ``r`` packed back to back (in plan order) form
+``r``'s *segment*; ``numels[r]`` is its length in elements (0 when ``r`` owns nothing there).
+- *all-gather-v*: every rank contributes its own segment and receives every other rank's, with
+  no padding to the largest segment (the uneven all-gather FSDP2 cannot express).
+- *reduce-to-owners*: every rank holds a full-length gradient buffer laid out segment by segment;
+  rank ``r`` ends up with the sum over ranks of segment ``r`` only. No other rank keeps a copy.
+Both are issued in the same order on every rank (the runtime guarantees it), may be async, and
+are counted by phase so tests and benchmarks can assert exact call and byte totals.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = [
+    "CommCounter",
+    "CommStats",
+    "OwnerComm",
+    "Pending",
+    "Phase",
+    "comm_phase",
+    "current_phase",
+]
+
+
+class Phase(enum.Enum):
+    """Training phase a collective is attributed to."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer"
+    OTHER = "other"
+
+
+_phase_local = threading.local()
+
+
+def current_phase() -> Phase:
+    return getattr(_phase_local, "phase", Phase.OTHER)
+
+
+@contextmanager
+def comm_phase(phase: Phase) -> Iterator[None]:
+    """Attribute collectives issued inside the block to ``phase``."""
+    previous = current_phase()
+    _phase_local.phase = phase
+    try:
+        yield
+    finally:
+        _phase_local.phase = previous
+
+
+@dataclass
+class CommStats:
+    calls: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {
+            "calls": self.calls,
+            "bytes_sent": self.bytes_sent,
+            "bytes_received": self.bytes_received,
+        }
+
+
+@dataclass
+class CommCounter:
+    """Counts collective calls and payload bytes per phase and per operation name."""
+
+    by_phase: dict[Phase, CommStats] = field(
+        default_factory=lambda: {phase: CommStats() for phase in Phase}
+    )
+    by_op: dict[str, CommStats] = field(default_factory=dict)
+
+    def record(self, op: str, bytes_sent: int, bytes_received: int) -> None:
+        for stats in (self.by_phase[current_phase()], self.by_op.setdefault(op, CommStats())):
+            stats.calls += 1
+            stats.bytes_sent += bytes_sent
+            stats.bytes_received += bytes_received
+
+    def reset(self) -> None:
+        self.by_phase = {phase: CommStats() for phase in Phase}
+        self.by_op = {}
+
+    def snapshot(self) -> dict[str, dict[str, int]]:
+        return {phase.value: stats.as_dict() for phase, stats in self.by_phase.items()}
+
+
+class Pending:
+    """An issued collective: ``wait()`` blocks until its output buffer is ready.
+
+    ``keepalive`` holds the send/receive buffers until the collective is done.
+    """
+
+    def __init__(self, works: Sequence[object] = (), keepalive: Sequence[object] = ()) -> None:
+        self._works = list(works)
+        self._keepalive = list(keepalive)
+
+    def wait(self) -> None:
+        for work in self._works:
+            work.wait()  # type: ignore[attr-defined]
+        self._works.clear()
+        self._keepalive.clear()
+
+
+class OwnerComm(ABC):
+    """Owner-segment collectives over one data-parallel process group."""
+
+    rank: int
+    world_size: int
+    counter: CommCounter
+
+    @abstractmethod
+    def all_gather_v(
+        self, own: torch.Tensor, numels: Sequence[int], *, async_op: bool = False
+    ) -> tuple[list[torch.Tensor], Pending]:
+        """Send ``own`` (this rank's segment) to all; return every rank's segment (own included).
+
+        The returned list holds one 1-D tensor per rank, valid after ``Pending.wait()``.
+        """
+
+    @abstractmethod
+    def reduce_to_owners(
+        self, flat: torch.Tensor, numels: Sequence[int], *, async_op: bool = False
+    ) -> tuple[torch.Tensor, Pending]:
+        """Sum segment ``rank`` of ``flat`` over all ranks; return it (valid after wait())."""
+
+    @abstractmethod
+    def all_reduce_scalar(self, value: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """All-reduce a 0-d/1-element tensor in place (``op`` is ``"sum"`` or ``"max"``)."""

@@ -1,0 +1,192 @@
+"""``OwnerComm`` over ``torch.distributed`` (gloo on CPU, NCCL on CUDA), with the same code."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch.profiler import record_function
+
+from .base import CommCounter, OwnerComm, Pending
+
+__all__ = ["TorchOwnerComm"]
+
+GatherImpl = Literal["alltoall", "broadcast"]
+ReduceImpl = Literal["alltoall", "reduce"]
+
+
+class TorchOwnerComm(OwnerComm):
+    """Owner-segment collectives on a ``ProcessGroup`` (see [Note: owner segments]).
+
+    ``gather_impl``: ``"alltoall"`` issues one uneven ``all_to_all_single`` per group (each rank
+    sends its segment to every peer, no padding); ``"broadcast"`` issues one broadcast per
+    non-empty segment. ``reduce_impl``: ``"alltoall"`` sends each owner its segment in one uneven
+    all-to-all and sums locally; ``"reduce"`` issues one ``reduce(dst=owner)`` per non-empty
+    segment. All four work on gloo and NCCL.
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        *,
+        gather_impl: GatherImpl = "alltoall",
+        reduce_impl: ReduceImpl = "alltoall",
+        counter: CommCounter | None = None,
+    ) -> None:
+        if gather_impl not in ("alltoall", "broadcast"):
+            raise ValueError(f"gather_impl must be 'alltoall' or 'broadcast', got {gather_impl!r}")
+        if reduce_impl not in ("alltoall", "reduce"):
+            raise ValueError(f"reduce_impl must be 'alltoall' or 'reduce', got {reduce_impl!r}")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.gather_impl = gather_impl
+        self.reduce_impl = reduce_impl
+        self.counter = counter if counter is not None else CommCounter()
+        self._global_ranks = [
+            dist.get_global_rank(group, r) if group is not None else r
+            for r in range(self.world_size)
+        ]
+
+    # -- all-gather-v -----------------------------------------------------------------------------
+    def all_gather_v(
+        self, own: torch.Tensor, numels: Sequence[int], *, async_op: bool = False
+    ) -> tuple[list[torch.Tensor], Pending]:
+        if own.numel() != numels[self.rank]:
+            raise ValueError(f"own segment has {own.numel()} elements, plan says {numels[self.rank]}")
+        if self.world_size == 1:
+            return [own], Pending()
+        if self.gather_impl == "broadcast":
+            return self._gather_broadcast(own, numels, async_op)
+        return self._gather_alltoall(own, numels, async_op)
+
+    def _gather_alltoall(
+        self, own: torch.Tensor, numels: Sequence[int], async_op: bool
+    ) -> tuple[list[torch.Tensor], Pending]:
+        me, n = self.rank, self.world_size
+        in_splits = [0 if r == me else numels[me] for r in range(n)]
+        out_splits = [0 if r == me else numels[r] for r in range(n)]
+        send = own.repeat(n - 1) if numels[me] else own.new_empty(0)
+        recv = own.new_empty(sum(out_splits))
+        with record_function("matrixfsdp::all_gather_v"):
+            work = dist.all_to_all_single(
+                recv, send, out_splits, in_splits, group=self.group, async_op=async_op
+            )
+        self.counter.record("all_gather_v", _nbytes(send), _nbytes(recv))
+        segments = list(torch.split(recv, out_splits))
+        segments[me] = own
+        return segments, Pending([work] if async_op else [], keepalive=(send, recv))
+
+    def _gather_broadcast(
+        self, own: torch.Tensor, numels: Sequence[int], async_op: bool
+    ) -> tuple[list[torch.Tensor], Pending]:
+        segments, works = [], []
+        with record_function("matrixfsdp::all_gather_v"):
+            for r, numel in enumerate(numels):
+                buf = own if r == self.rank else own.new_empty(numel)
+                segments.append(buf)
+                if numel == 0:
+                    continue
+                work = dist.broadcast(
+                    buf, src=self._global_ranks[r], group=self.group, async_op=async_op
+                )
+                works.append(work)
+                sent = _nbytes(buf) * (self.world_size - 1) if r == self.rank else 0
+                self.counter.record("all_gather_v", sent, 0 if r == self.rank else _nbytes(buf))
+        return segments, Pending(works if async_op else [], keepalive=segments)
+
+    # -- reduce-to-owners -------------------------------------------------------------------------
+    def reduce_to_owners(
+        self, flat: torch.Tensor, numels: Sequence[int], *, async_op: bool = False
+    ) -> tuple[torch.Tensor, Pending]:
+        if flat.numel() != sum(numels):
+            raise ValueError(f"buffer has {flat.numel()} elements, segments sum to {sum(numels)}")
+        me = self.rank
+        offset = sum(numels[:me])
+        own = flat[offset : offset + numels[me]]
+        if self.world_size == 1:
+            return own, Pending()
+        if self.reduce_impl == "reduce":
+            return self._reduce_p2p(flat, numels, async_op)
+        return self._reduce_alltoall(flat, own, numels, async_op)
+
+    def _reduce_alltoall(
+        self, flat: torch.Tensor, own: torch.Tensor, numels: Sequence[int], async_op: bool
+    ) -> tuple[torch.Tensor, Pending]:
+        me, n = self.rank, self.world_size
+        in_splits = [0 if r == me else numels[r] for r in range(n)]
+        out_splits = [0 if r == me else numels[me] for r in range(n)]
+        if numels[me]:
+            # Drop our own segment from the send buffer: it stays local.
+            send = torch.cat([flat[: sum(numels[:me])], flat[sum(numels[: me + 1]) :]])
+        else:
+            send = flat
+        recv = flat.new_empty(sum(out_splits))
+        with record_function("matrixfsdp::reduce_to_owners"):
+            work = dist.all_to_all_single(
+                recv, send, out_splits, in_splits, group=self.group, async_op=async_op
+            )
+        self.counter.record("reduce_to_owners", _nbytes(send), _nbytes(recv))
+        return _SumOnWait.result(own, recv, n - 1, work if async_op else None, send)
+
+    def _reduce_p2p(
+        self, flat: torch.Tensor, numels: Sequence[int], async_op: bool
+    ) -> tuple[torch.Tensor, Pending]:
+        works, offset, own = [], 0, flat[:0]
+        with record_function("matrixfsdp::reduce_to_owners"):
+            for r, numel in enumerate(numels):
+                segment = flat[offset : offset + numel]
+                offset += numel
+                if r == self.rank:
+                    own = segment
+                if numel == 0:
+                    continue
+                work = dist.reduce(
+                    segment, dst=self._global_ranks[r], group=self.group, async_op=async_op
+                )
+                works.append(work)
+                received = _nbytes(segment) * (self.world_size - 1) if r == self.rank else 0
+                self.counter.record("reduce_to_owners", _nbytes(segment), received)
+        return own, Pending(works if async_op else [], keepalive=(flat,))
+
+    # -- scalars ----------------------------------------------------------------------------------
+    def all_reduce_scalar(self, value: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+        if op not in ops:
+            raise ValueError(f"op must be 'sum' or 'max', got {op!r}")
+        if self.world_size > 1:
+            with record_function("matrixfsdp::all_reduce_scalar"):
+                dist.all_reduce(value, op=ops[op], group=self.group)
+            self.counter.record("all_reduce_scalar", _nbytes(value), _nbytes(value))
+        return value
+
+
+class _SumOnWait(Pending):
+    """Pending all-to-all whose received segments are summed into ``own`` on ``wait()``."""
+
+    def __init__(
+        self, own: torch.Tensor, recv: torch.Tensor, peers: int, work: object, send: torch.Tensor
+    ) -> None:
+        super().__init__([work] if work is not None else [], keepalive=(send,))
+        self._own, self._recv, self._peers = own, recv, peers
+
+    def wait(self) -> None:
+        super().wait()
+        if self._recv is not None and self._own.numel():
+            self._own.add_(self._recv.view(self._peers, -1).sum(dim=0))
+        self._recv = None
+
+    @classmethod
+    def result(
+        cls, own: torch.Tensor, recv: torch.Tensor, peers: int, work: object, send: torch.Tensor
+    ) -> tuple[torch.Tensor, Pending]:
+        pending = cls(own, recv, peers, work, send)
+        if work is None:
+            pending.wait()
+        return own, pending
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()

@@ -1,0 +1,199 @@
+"""The owner plan: which rank owns each matrix, as a serializable pydantic model.
+
+[Note: plan vocabulary]
+- *matrix*: a parameter of 2 dims (or a 3-D stack ``(E, m, n)`` of E matrices) that is held whole
+  by exactly one data-parallel rank, its *owner* (``owner_rank``); every other rank holds an
+  empty tensor for it.
+- *tail*: every other parameter; it stays in stock FSDP2 ``Shard(0)`` sharding
+  (``owner_rank is None``).
+- *group*: the FQN of the module whose forward gathers the matrix (a communication unit, like an
+  FSDP2 param group); ``""`` is the root module.
+- The plan is a pure function of (names, shapes, dtypes, roles, groups, world size, planner
+  options): identical on every rank, across runs and after a restart. Checkpoints record it and
+  resharding recomputes it, so nothing here may depend on process state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Iterable, Sequence
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+__all__ = [
+    "PLAN_FORMAT_VERSION",
+    "ParamPlacement",
+    "ParamSpec",
+    "Plan",
+    "RankLoad",
+    "dtype_itemsize",
+]
+
+PLAN_FORMAT_VERSION = 1
+
+Role = Literal["matrix", "tail"]
+
+_ITEMSIZE = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4,
+    "int16": 2, "int8": 1, "uint8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
+}
+
+
+def dtype_itemsize(dtype: str) -> int:
+    """Bytes per element of a dtype named as in ``str(torch.float32)`` minus the prefix."""
+    name = dtype.removeprefix("torch.")
+    if name not in _ITEMSIZE:
+        raise ValueError(f"unknown dtype {dtype!r}; known: {sorted(_ITEMSIZE)}")
+    return _ITEMSIZE[name]
+
+
+class ParamSpec(BaseModel):
+    """What the planner needs to know about one parameter (no tensors, no process group)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    fqn: str
+    shape: tuple[int, ...]
+    dtype: str = "float32"
+    role: Role
+    group: str = ""
+
+    @field_validator("dtype")
+    @classmethod
+    def _known_dtype(cls, value: str) -> str:
+        dtype_itemsize(value)
+        return value.removeprefix("torch.")
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * dtype_itemsize(self.dtype)
+
+
+class ParamPlacement(ParamSpec):
+    """A parameter's place in the plan: its spec plus the owner rank (``None`` for the tail)."""
+
+    owner_rank: int | None = None
+    cost: float = 0.0
+
+
+class RankLoad(BaseModel):
+    """Per-rank totals of a plan, for reports."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    rank: int
+    num_matrices: int
+    nbytes: int
+    cost: float
+
+
+class Plan(BaseModel):
+    """The owner layout of one wrapped model at one world size."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    format_version: int = PLAN_FORMAT_VERSION
+    world_size: int = Field(ge=1)
+    planner: str = "lpt-bytes"
+    params: tuple[ParamPlacement, ...]
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Plan:
+        seen: set[str] = set()
+        for p in self.params:
+            if p.fqn in seen:
+                raise ValueError(f"plan lists parameter {p.fqn!r} twice")
+            seen.add(p.fqn)
+            if p.role == "matrix" and (p.owner_rank is None or not 0 <= p.owner_rank < self.world_size):
+                raise ValueError(
+                    f"matrix {p.fqn!r} has owner_rank={p.owner_rank}; it must be in "
+                    f"[0, {self.world_size}) for world_size={self.world_size}"
+                )
+            if p.role == "tail" and p.owner_rank is not None:
+                raise ValueError(f"tail parameter {p.fqn!r} must have owner_rank=None")
+        return self
+
+    # -- lookup ---------------------------------------------------------------------------------
+    def __getitem__(self, fqn: str) -> ParamPlacement:
+        for placement in self.params:
+            if placement.fqn == fqn:
+                return placement
+        raise KeyError(fqn)
+
+    @property
+    def matrices(self) -> tuple[ParamPlacement, ...]:
+        return tuple(p for p in self.params if p.role == "matrix")
+
+    @property
+    def tail(self) -> tuple[ParamPlacement, ...]:
+        return tuple(p for p in self.params if p.role == "tail")
+
+    def owned_by(self, rank: int) -> tuple[ParamPlacement, ...]:
+        return tuple(p for p in self.matrices if p.owner_rank == rank)
+
+    def groups(self) -> tuple[str, ...]:
+        """Group names in first-appearance order."""
+        return tuple(dict.fromkeys(p.group for p in self.matrices))
+
+    # -- serialization ----------------------------------------------------------------------------
+    def to_json(self, indent: int | None = None) -> str:
+        return self.model_dump_json(indent=indent)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Plan:
+        return cls.model_validate_json(text)
+
+    def plan_hash(self) -> str:
+        """A stable SHA-256 over the canonical JSON (sorted keys, no whitespace)."""
+        canonical = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()
+
+    # -- reports ----------------------------------------------------------------------------------
+    def rank_loads(self) -> list[RankLoad]:
+        counts = [0] * self.world_size
+        nbytes = [0] * self.world_size
+        costs = [0.0] * self.world_size
+        for p in self.matrices:
+            rank = int(p.owner_rank)  # set for every matrix (validated above)
+            counts[rank] += 1
+            nbytes[rank] += p.nbytes
+            costs[rank] += p.cost
+        return [
+            RankLoad(rank=r, num_matrices=counts[r], nbytes=nbytes[r], cost=costs[r])
+            for r in range(self.world_size)
+        ]
+
+    def imbalance(self, by: Literal["cost", "bytes"] = "cost") -> float:
+        """max/mean of the per-rank load (1.0 is perfect)."""
+        loads = [lo.cost if by == "cost" else float(lo.nbytes) for lo in self.rank_loads()]
+        mean = sum(loads) / len(loads)
+        return max(loads) / mean if mean > 0 else 1.0
+
+    def imbalance_bound(self, by: Literal["cost", "bytes"] = "cost") -> float:
+        """A lower bound on max/mean for any whole-matrix assignment.
+
+        max(largest item, mean, n-th + (n+1)-th largest) / mean, with n the world size.
+        """
+        items = sorted((p.cost if by == "cost" else float(p.nbytes) for p in self.matrices),
+                       reverse=True)
+        if not items:
+            return 1.0
+        n = self.world_size
+        mean = sum(items) / n
+        # Pigeonhole: of the n + 1 largest items two share a rank.
+        pair = items[n - 1] + items[n] if len(items) > n else 0.0
+        return max(items[0], mean, pair) / mean if mean > 0 else 1.0
+
+
+def specs_from_rows(rows: Iterable[tuple[str, Sequence[int], str, Role, str]]) -> list[ParamSpec]:
+    """Build specs from ``(fqn, shape, dtype, role, group)`` rows (handy for presets and tests)."""
+    return [
+        ParamSpec(fqn=f, shape=tuple(s), dtype=d, role=r, group=g) for f, s, d, r, g in rows
+    ]

@@ -1,0 +1,177 @@
+"""A communication group of matrices: one gather to unshard, one reduction for its gradients."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..collectives import OwnerComm, Pending
+from .matrix_param import MatrixParam
+
+__all__ = ["GroupState", "MatrixGroup", "PendingReduce"]
+
+
+class GroupState(enum.Enum):
+    SHARDED = "sharded"  # non-owners hold no storage
+    GATHERING = "gathering"  # storage allocated, gather in flight
+    UNSHARDED = "unsharded"  # every rank holds every matrix of the group
+
+
+@dataclass
+class PendingReduce:
+    """A gradient reduction in flight: ``owned`` is this rank's summed segment once waited."""
+
+    group: MatrixGroup
+    owned: torch.Tensor
+    pending: Pending
+
+
+class MatrixGroup:
+    """The matrices gathered by one module's forward (a block, or the root).
+
+    Segments follow the plan order of ``params`` (see [Note: owner segments]). For the gradient
+    reduction every trainable matrix gets one extra *presence flag* element (1 if this rank has a
+    gradient for it): the owner sums flags with the values, so a matrix that got no gradient on any
+    rank keeps ``.grad = None`` exactly as in single-device training, while a matrix used on only
+    some ranks still gets the exact global-batch average.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        module: nn.Module,
+        params: Sequence[MatrixParam],
+        comm: OwnerComm,
+        *,
+        reduce_dtype: torch.dtype | None = None,
+    ) -> None:
+        self.name = name
+        self.module = module
+        self.params = list(params)
+        self.comm = comm
+        self.reduce_dtype = reduce_dtype
+        world = comm.world_size
+        self.owned_by = [[p for p in self.params if p.owner_rank == r] for r in range(world)]
+        self.gather_numels = [sum(p.numel for p in owned) for owned in self.owned_by]
+        self.trainable = [p for p in self.params if p.requires_grad]
+        self.trainable_by = [[p for p in owned if p.requires_grad] for owned in self.owned_by]
+        self.reduce_numels = [sum(p.numel + 1 for p in owned) for owned in self.trainable_by]
+        self.state = GroupState.SHARDED
+        self._gather: tuple[list[torch.Tensor], Pending] | None = None
+
+    # -- unshard / reshard ------------------------------------------------------------------------
+    def unshard(self, *, async_op: bool = False) -> None:
+        """Allocate storage and start the owner-segment all-gather (idempotent)."""
+        if self.state is not GroupState.SHARDED:
+            return
+        for p in self.params:
+            p.alloc()
+        mine = self.owned_by[self.comm.rank]
+        if len(mine) == 1:
+            own = mine[0].own_values()
+        elif mine:
+            own = torch.cat([p.own_values() for p in mine])
+        else:
+            own = torch.empty(0, dtype=self._gather_dtype(), device=self._device())
+        self._gather = self.comm.all_gather_v(own, self.gather_numels, async_op=async_op)
+        self.state = GroupState.GATHERING
+        if not async_op:
+            self.wait_unshard()
+
+    def wait_unshard(self) -> None:
+        """Finish an in-flight gather: copy every peer's segment into its matrices."""
+        if self.state is not GroupState.GATHERING:
+            return
+        assert self._gather is not None  # internal invariant of the state machine
+        segments, pending = self._gather
+        pending.wait()
+        for rank, owned in enumerate(self.owned_by):
+            if rank == self.comm.rank or not owned:
+                continue
+            for p, flat in zip(owned, torch.split(segments[rank], [p.numel for p in owned]), strict=False):
+                p.write(flat)
+        self._gather = None
+        self.state = GroupState.UNSHARDED
+
+    def reshard(self) -> None:
+        """Free non-owned storage (owners keep their pinned matrices)."""
+        if self.state is GroupState.GATHERING:
+            self.wait_unshard()
+        for p in self.params:
+            p.free()
+        self.state = GroupState.SHARDED
+
+    def use_unsharded(self) -> None:
+        for p in self.params:
+            p.use_unsharded()
+
+    def use_sharded(self) -> None:
+        for p in self.params:
+            p.use_sharded()
+
+    # -- gradients --------------------------------------------------------------------------------
+    def reduce_grads(self) -> PendingReduce:
+        """Pack local gradients (+ presence flags) by owner and start the reduction."""
+        flat = self._pack_grads()
+        owned, pending = self.comm.reduce_to_owners(flat, self.reduce_numels, async_op=True)
+        return PendingReduce(self, owned, pending)
+
+    def _pack_grads(self) -> torch.Tensor:
+        dtype = self._reduce_dtype()
+        flat = torch.empty(sum(self.reduce_numels), dtype=dtype, device=self._device())
+        offset = 0
+        for owned in self.trainable_by:
+            for p in owned:
+                grad = p.unsharded.grad
+                slot = flat[offset : offset + p.numel]
+                if grad is None:
+                    slot.zero_()
+                else:
+                    slot.copy_(grad.reshape(-1))
+                flat[offset + p.numel] = 0.0 if grad is None else 1.0
+                offset += p.numel + 1
+                p.unsharded.grad = None
+        return flat
+
+    def finish_reduce(self, reduce: PendingReduce) -> None:
+        """Wait, then give each owned matrix its averaged gradient (or leave it ``None``)."""
+        reduce.pending.wait()
+        mine = self.trainable_by[self.comm.rank]
+        if not mine:
+            return
+        starts = [0]
+        for p in mine:
+            starts.append(starts[-1] + p.numel + 1)
+        flag_index = torch.tensor([s - 1 for s in starts[1:]], device=reduce.owned.device)
+        present = reduce.owned.index_select(0, flag_index).tolist()  # one host sync per group
+        world = self.comm.world_size
+        for p, start, flag in zip(mine, starts, present, strict=False):
+            if flag <= 0:
+                continue  # no rank produced a gradient: stays None, as on one device
+            values = reduce.owned[start : start + p.numel].view(p.shape)
+            # A standalone tensor: a view would keep the whole group buffer alive.
+            grad = torch.div(values, world).to(p.dtype)
+            if p.sharded.grad is None:
+                p.sharded.grad = grad
+            else:
+                p.sharded.grad.add_(grad)
+
+    # -- helpers ----------------------------------------------------------------------------------
+    def _device(self) -> torch.device:
+        return self.params[0].device
+
+    def _gather_dtype(self) -> torch.dtype:
+        return self.params[0].compute_dtype
+
+    def _reduce_dtype(self) -> torch.dtype:
+        return self.reduce_dtype or self.params[0].dtype
+
+    def resident_bytes(self) -> int:
+        return sum(p.resident_bytes() for p in self.params)
+
+    def __repr__(self) -> str:
+        return f"MatrixGroup({self.name!r}, {len(self.params)} matrices, {self.state.value})"

@@ -1,0 +1,137 @@
+"""One owner-shaped matrix: its sharded/unsharded parameter pair and storage lifecycle.
+
+[Note: sharded and unsharded matrix parameters]
+- ``sharded`` is what ``model.parameters()``, optimizers and state dicts see outside
+  forward/backward: the whole matrix on its owner, ``torch.empty(0)`` on every other rank (so
+  every rank has one parameter per matrix and optimizers are never empty).
+- ``unsharded`` is the autograd leaf used in forward/backward. On the owner it *pins* the
+  sharded storage: ``unsharded.data`` is ``sharded.data`` (no copy, stable ``data_ptr``), unless a
+  mixed-precision ``compute_dtype`` needs a cast copy. On non-owners it is full-shaped with its own
+  storage, freed with ``untyped_storage().resize_(0)`` and revived with ``resize_(nbytes)``, which
+  keeps tensors that autograd saved for backward valid.
+- A full-shaped tensor whose storage is freed must never be read, so the module only holds
+  ``unsharded`` between the group's forward-pre and forward-post hooks; at any other time
+  ``module._parameters[name]`` is ``sharded``.
+- Incoming data is written through ``.data`` so autograd's version counter of the leaf (which
+  may be saved for backward) is not bumped.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+__all__ = ["MatrixParam"]
+
+
+class MatrixParam:
+    """Runtime state of one matrix (a 2-D weight or a 3-D stack) on this rank."""
+
+    def __init__(
+        self,
+        *,
+        fqn: str,
+        module: nn.Module,
+        name: str,
+        param: nn.Parameter,
+        owner_rank: int,
+        rank: int,
+        compute_dtype: torch.dtype | None = None,
+    ) -> None:
+        self.fqn = fqn
+        self.module = module
+        self.name = name
+        self.owner_rank = owner_rank
+        self.is_owner = owner_rank == rank
+        self.shape = param.shape
+        self.numel = math.prod(param.shape)
+        self.dtype = param.dtype
+        self.compute_dtype = compute_dtype or param.dtype
+        self.device = param.device
+        self.requires_grad = param.requires_grad
+        if self.is_owner:
+            # The original storage becomes the owner's shard: nothing is copied.
+            self.sharded = param
+        else:
+            self.sharded = nn.Parameter(
+                torch.empty(0, dtype=self.dtype, device=self.device),
+                requires_grad=param.requires_grad,
+            )
+        self.unsharded = nn.Parameter(
+            torch.empty(self.shape, dtype=self.compute_dtype, device=self.device),
+            requires_grad=param.requires_grad,
+        )
+        self._pins = self.is_owner and self.compute_dtype == self.dtype
+        if self._pins:
+            self.unsharded.data = self.sharded.data
+        else:
+            _free(self.unsharded)
+        self.resident = self._pins
+        module._parameters[name] = self.sharded
+
+    # -- storage ----------------------------------------------------------------------------------
+    @property
+    def pins_owner_storage(self) -> bool:
+        """True when the owner's unsharded leaf aliases the sharded storage (no copy)."""
+        return self._pins
+
+    def alloc(self) -> None:
+        """Make ``unsharded`` hold valid storage (its values are written by the caller)."""
+        if self._pins:
+            if self.unsharded.data.data_ptr() != self.sharded.data.data_ptr():
+                # The sharded tensor was replaced (e.g. ``param.data = ...``): re-pin.
+                self.unsharded.data = self.sharded.data
+        elif not self.resident:
+            _alloc(self.unsharded, self.numel)
+            if self.is_owner:  # mixed precision: the owner computes on a cast copy
+                self.unsharded.data.copy_(self.sharded.data)
+        self.resident = True
+
+    def free(self) -> None:
+        """Release the full-size storage (a no-op for the owner's pinned storage)."""
+        if not self._pins and self.resident:
+            _free(self.unsharded)
+        self.resident = self._pins
+
+    def write(self, flat: torch.Tensor) -> None:
+        """Copy gathered values into the (resident) unsharded storage."""
+        self.unsharded.data.copy_(flat.view(self.shape))
+
+    def own_values(self) -> torch.Tensor:
+        """The owner's resident values as a flat ``compute_dtype`` view (call after ``alloc``)."""
+        return self.unsharded.detach().view(-1)
+
+    def resident_bytes(self) -> int:
+        """Bytes of full-size storage this rank holds for the matrix (sharded + unsharded)."""
+        sharded = self.sharded.untyped_storage().nbytes()
+        if self._pins:
+            return sharded
+        return sharded + self.unsharded.untyped_storage().nbytes()
+
+    # -- module view ------------------------------------------------------------------------------
+    def use_unsharded(self) -> None:
+        self.module._parameters[self.name] = self.unsharded
+
+    def use_sharded(self) -> None:
+        self.module._parameters[self.name] = self.sharded
+
+    def __repr__(self) -> str:
+        return (
+            f"MatrixParam({self.fqn!r}, shape={tuple(self.shape)}, owner_rank={self.owner_rank}, "
+            f"resident={self.resident})"
+        )
+
+
+def _free(t: torch.Tensor) -> None:
+    storage = t.untyped_storage()
+    if storage.nbytes():
+        storage.resize_(0)
+
+
+def _alloc(t: torch.Tensor, numel: int) -> None:
+    storage = t.untyped_storage()
+    nbytes = numel * t.element_size()
+    if storage.nbytes() != nbytes:
+        storage.resize_(nbytes)

@@ -1,0 +1,62 @@
+"""Comparison helpers shared by the distributed tests."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+import matrixfsdp as mf
+
+
+def full_values(model: nn.Module, attr: str = "data") -> dict[str, torch.Tensor | None]:
+    """Every parameter (``attr="data"``) or gradient (``"grad"``) of a wrapped model, whole.
+
+    Collective: all ranks must call it. Matrices are broadcast from their owner; a matrix whose
+    owner has no gradient maps to None.
+    """
+    state = mf.get_state(model)
+    out: dict[str, torch.Tensor | None] = {}
+    for fqn, p in model.named_parameters():
+        value = p.grad if attr == "grad" else p.detach()
+        if fqn in state.params:
+            mp = state.params[fqn]
+            present = torch.tensor([0 if value is None else 1])
+            dist.broadcast(present, src=mp.owner_rank)
+            if not present.item():
+                out[fqn] = None
+                continue
+            buf = value.detach().clone() if mp.is_owner else torch.empty(mp.shape, dtype=mp.dtype)
+            dist.broadcast(buf, src=mp.owner_rank)
+            out[fqn] = buf
+        elif isinstance(value, DTensor):
+            out[fqn] = value.full_tensor()
+        else:
+            out[fqn] = None if value is None else value.detach().clone()
+    return out
+
+
+def reference_values(model: nn.Module, attr: str = "data") -> dict[str, torch.Tensor | None]:
+    out = {}
+    for fqn, p in model.named_parameters():
+        value = p.grad if attr == "grad" else p.detach()
+        out[fqn] = None if value is None else value.detach().clone()
+    return out
+
+
+def assert_close_dicts(
+    got: dict[str, torch.Tensor | None],
+    want: dict[str, torch.Tensor | None],
+    rtol: float,
+    what: str,
+) -> None:
+    """Relative error ‖got − want‖ / max(‖want‖, tiny) ≤ rtol for every entry; None must match."""
+    assert got.keys() == want.keys(), f"{what}: keys differ: {set(got) ^ set(want)}"
+    for fqn in want:
+        g, w = got[fqn], want[fqn]
+        if w is None or g is None:
+            assert g is None and w is None, f"{what} {fqn}: got {g is None=}, want {w is None=}"
+            continue
+        err = (g.double() - w.double()).norm() / max(w.double().norm().item(), 1e-30)
+        assert err <= rtol, f"{what} {fqn}: relative error {err:.3e} > {rtol:.1e}"
