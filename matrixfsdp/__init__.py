@@ -15,12 +15,14 @@ from .api import (
     is_matrix_wrapped,
     set_requires_gradient_sync,
 )
+from .optim import MatrixOptimizer, register_matrix_optimizer
 from .planner import LPTPlanner, Plan
 
 __version__ = "0.1.0"
 
 __all__ = [
     "LPTPlanner",
+    "MatrixOptimizer",
     "Plan",
     "__version__",
     "clip_grad_norm_",
@@ -29,5 +31,6 @@ __all__ = [
     "get_state",
     "is_matrix_wrapped",
     "planner",
+    "register_matrix_optimizer",
     "set_requires_gradient_sync",
 ]

@@ -60,3 +60,32 @@ def assert_close_dicts(
             continue
         err = (g.double() - w.double()).norm() / max(w.double().norm().item(), 1e-30)
         assert err <= rtol, f"{what} {fqn}: relative error {err:.3e} > {rtol:.1e}"
+
+
+def full_optimizer_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, dict]:
+    """Every parameter's optimizer state, whole, keyed by FQN (collective; test-only pickling)."""
+    state = mf.get_state(model)
+    out: dict[str, dict] = {}
+    for fqn, p in model.named_parameters():
+        entry = opt.state.get(p, {})
+        if fqn in state.params:
+            mp = state.params[fqn]
+            box = [{k: v.detach().clone() for k, v in entry.items()} if mp.is_owner else None]
+            dist.broadcast_object_list(box, src=mp.owner_rank)
+            out[fqn] = box[0]
+        else:
+            out[fqn] = {
+                k: (v.full_tensor() if isinstance(v, DTensor) else v.detach().clone())
+                for k, v in entry.items()
+            }
+    return out
+
+
+def count_collectives(fn) -> int:
+    """Backend collectives (gloo/NCCL, classic or functional) issued while running ``fn()``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    names = [e.name for e in prof.events()]
+    return sum(1 for n in names if n.startswith(("gloo:", "nccl:")))

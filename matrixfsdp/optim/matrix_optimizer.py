@@ -1,0 +1,227 @@
+"""``MatrixOptimizer``: a matrix optimizer on owners plus AdamW on the FSDP2 tail, one Optimizer.
+
+Param group 0 (``kind="matrix"``) holds every matrix's sharded parameter in plan order: the whole
+matrix on its owner, an empty tensor elsewhere. Empty ones are skipped and never get state, so the
+step of each matrix runs on its owner alone and issues no collective. Param group 1
+(``kind="tail"``) holds the FSDP2 DTensors and is stepped by a stock ``torch.optim.AdamW`` that
+shares this optimizer's ``state`` and group dict, so ``state_dict()``, LR schedulers and DCP see
+one ordinary optimizer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.profiler import record_function
+
+from ..api import get_state
+from ..collectives import Phase, comm_phase
+from .registry import MatrixOptimizerSpec, get_matrix_optimizer
+
+__all__ = ["MatrixOptimizer", "state_bytes"]
+
+
+class MatrixOptimizer(torch.optim.Optimizer):
+    """Matrix optimizer for owned matrices + tail optimizer for FSDP2 shards.
+
+    Args:
+        model: a model wrapped by ``fully_shard_matrix``.
+        optimizer: a registered name (``"muon"``, ``"shampoo"``, ``"soap"``, ``"okls"``,
+            ``"emagram"``, ``"adamw"``, or one added by ``register_matrix_optimizer``) or a
+            single-device ``torch.optim.Optimizer`` class (e.g. ``torch.optim.Muon``) applied to
+            the matrices this rank owns.
+        lr, weight_decay: the matrices' learning rate and decoupled weight decay.
+        tail_optimizer: ``"adamw"`` or a ``torch.optim.Optimizer`` class for the tail.
+        tail_lr, tail_weight_decay: the tail's learning rate and weight decay.
+        tail_optimizer_kwargs: extra keyword arguments for the tail optimizer.
+        **optimizer_kwargs: the matrix optimizer's hyperparameters (e.g. Muon's ``momentum``,
+            ``nesterov``, ``ns_steps``; OKLS's ``beta1``, ``beta2``, ``eps``).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: str | type[torch.optim.Optimizer] = "muon",
+        lr: float = 0.02,
+        weight_decay: float = 0.0,
+        tail_optimizer: str | type[torch.optim.Optimizer] = "adamw",
+        tail_lr: float = 3e-4,
+        tail_weight_decay: float = 0.0,
+        *,
+        tail_optimizer_kwargs: Mapping[str, Any] | None = None,
+        **optimizer_kwargs: Any,
+    ) -> None:
+        for field, value in (("lr", lr), ("weight_decay", weight_decay), ("tail_lr", tail_lr),
+                             ("tail_weight_decay", tail_weight_decay)):
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"MatrixOptimizer.{field} must be a finite number >= 0, got {value!r}")
+        runtime = get_state(model)
+        matrices = [mp.sharded for mp in runtime.params.values()]
+        matrix_ids = {id(p) for p in matrices}
+        tail = [p for p in model.parameters() if id(p) not in matrix_ids]
+        self._spec, self._matrix_cls, matrix_group = _matrix_group(
+            optimizer, matrices, lr, weight_decay, optimizer_kwargs
+        )
+        self._tail_inner = _tail_inner(tail_optimizer, tail, tail_lr, tail_weight_decay,
+                                       tail_optimizer_kwargs or {})
+        groups = [matrix_group]
+        if self._tail_inner is not None:
+            tail_group = self._tail_inner.param_groups[0]
+            tail_group["kind"] = "tail"
+            groups.append(tail_group)
+        super().__init__(groups, {})
+        self._matrix_inner: torch.optim.Optimizer | None = None
+        self._config_cache: tuple[tuple, Any] | None = None
+        self._link_inner()
+
+    def _link_inner(self) -> None:
+        """Point the inner optimizers at this optimizer's state and group dicts (one truth)."""
+        if self._tail_inner is not None:
+            self._tail_inner.state = self.state
+            self._tail_inner.param_groups = [g for g in self.param_groups if g["kind"] == "tail"]
+        if self._matrix_inner is not None:
+            self._matrix_inner.state = self.state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self._config_cache = None
+        self._link_inner()
+
+    # -- stepping ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        with comm_phase(Phase.OPTIMIZER), record_function("matrixfsdp::optimizer_step"):
+            for group in self.param_groups:
+                if group.get("kind") == "matrix":
+                    self._step_matrices(group)
+                elif self._tail_inner is not None:
+                    self._tail_inner.step()
+        return loss
+
+    def _step_matrices(self, group: dict[str, Any]) -> None:
+        owned = [p for p in group["params"] if p.numel() > 0 and p.grad is not None]
+        if not owned:
+            return
+        if self._matrix_cls is not None:
+            self._step_with_torch_class(group, owned)
+            return
+        spec = self._spec
+        assert spec is not None  # one of the two is always set by _matrix_group
+        config = self._config(group, spec)
+        for p in owned:
+            state = self.state[p]
+            if not state:
+                state.update(spec.init_state_fn(p, config))
+                state["step"] = torch.zeros((), dtype=torch.float32)
+            state["step"] += 1
+            tensors = {k: v for k, v in state.items() if k != "step"}
+            spec.step_fn(
+                p, p.grad, tensors, lr=group["lr"], weight_decay=group["weight_decay"],
+                step=int(state["step"].item()), initial_lr=group["initial_lr"], config=config,
+            )
+
+    def _step_with_torch_class(self, group: dict[str, Any], owned: list[nn.Parameter]) -> None:
+        cls = self._matrix_cls
+        assert cls is not None  # checked by the caller
+        if self._matrix_inner is None:
+            owned_all = [p for p in group["params"] if p.numel() > 0]
+            self._matrix_inner = cls(owned_all, **group["matrix_kwargs"], lr=group["lr"],
+                                     weight_decay=group["weight_decay"])
+            self._link_inner()
+        inner_group = self._matrix_inner.param_groups[0]
+        inner_group["lr"], inner_group["weight_decay"] = group["lr"], group["weight_decay"]
+        self._matrix_inner.step()
+
+    def _config(self, group: dict[str, Any], spec: MatrixOptimizerSpec) -> Any:
+        kwargs = group["matrix_kwargs"]
+        key = tuple(sorted((k, _freeze(v)) for k, v in kwargs.items()))
+        if self._config_cache is None or self._config_cache[0] != key:
+            self._config_cache = (key, spec.make_config(kwargs))
+        return self._config_cache[1]
+
+    # -- reporting --------------------------------------------------------------------------------
+    def matrix_state_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds for matrices (owned ones only, by design)."""
+        return state_bytes(self.state[p] for g in self.param_groups if g.get("kind") == "matrix"
+                           for p in g["params"] if p in self.state)
+
+    def tail_state_bytes(self) -> int:
+        """Bytes of this rank's local tail optimizer state (its FSDP2 shards)."""
+        return state_bytes(self.state[p] for g in self.param_groups if g.get("kind") == "tail"
+                           for p in g["params"] if p in self.state)
+
+
+def state_bytes(states: Iterable[Mapping[str, Any]]) -> int:
+    """Local bytes of the tensors in optimizer state entries (DTensors count their shard)."""
+    total = 0
+    for state in states:
+        for value in state.values():
+            if isinstance(value, DTensor):
+                value = value.to_local()
+            if isinstance(value, torch.Tensor):
+                total += value.untyped_storage().nbytes() if value.numel() else 0
+    return total
+
+
+def _freeze(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _matrix_group(
+    optimizer: str | type[torch.optim.Optimizer],
+    matrices: list[nn.Parameter],
+    lr: float,
+    weight_decay: float,
+    kwargs: dict[str, Any],
+) -> tuple[MatrixOptimizerSpec | None, type[torch.optim.Optimizer] | None, dict[str, Any]]:
+    group: dict[str, Any] = {
+        "params": matrices, "kind": "matrix", "lr": lr, "initial_lr": lr,
+        "weight_decay": weight_decay,
+    }
+    if isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
+        group["optimizer"] = f"{optimizer.__module__}.{optimizer.__qualname__}"
+        group["matrix_kwargs"] = dict(kwargs)
+        return None, optimizer, group
+    if not isinstance(optimizer, str):
+        raise ValueError(
+            f"MatrixOptimizer.optimizer must be a registered name or a torch.optim.Optimizer "
+            f"class, got {optimizer!r}"
+        )
+    spec = get_matrix_optimizer(optimizer)
+    config = spec.make_config(kwargs)  # validates now, naming the bad field
+    group["optimizer"] = optimizer
+    group["matrix_kwargs"] = (
+        dataclasses.asdict(config) if dataclasses.is_dataclass(config) else dict(kwargs)
+    )
+    return spec, None, group
+
+
+def _tail_inner(
+    tail_optimizer: str | type[torch.optim.Optimizer],
+    params: list[nn.Parameter],
+    lr: float,
+    weight_decay: float,
+    kwargs: Mapping[str, Any],
+) -> torch.optim.Optimizer | None:
+    if not params:
+        return None
+    if tail_optimizer == "adamw":
+        cls: type[torch.optim.Optimizer] = torch.optim.AdamW
+    elif isinstance(tail_optimizer, type) and issubclass(tail_optimizer, torch.optim.Optimizer):
+        cls = tail_optimizer
+    else:
+        raise ValueError(
+            f"MatrixOptimizer.tail_optimizer must be 'adamw' or a torch.optim.Optimizer class, "
+            f"got {tail_optimizer!r}"
+        )
+    return cls(params, lr=lr, weight_decay=weight_decay, **kwargs)

@@ -1,0 +1,274 @@
+"""MatrixOptimizer on owners against single-process optimizers, step by step and free-running."""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+import matrixfsdp as mf
+from matrixfsdp.optim import get_matrix_optimizer
+
+from .checks import (
+    assert_close_dicts,
+    count_collectives,
+    full_optimizer_state,
+    full_values,
+    reference_values,
+)
+from .dist_utils import run_subtests, run_world
+from .models import TinyTransformer, global_batch, lm_loss, local_batch
+
+MATRIX_OPTIMIZERS = ["muon", "shampoo", "soap", "okls", "emagram"]
+LR = {"muon": 0.02, "shampoo": 0.01, "soap": 0.01, "okls": 0.01, "emagram": 0.01}
+FREE_RUNNING_DTYPE = {"soap": torch.float64}
+FP32_KWARGS = {"muon": {"ns_dtype": "float32"}, "shampoo": {"eps": 1e-4}, "emagram": {"eps": 1e-4}}
+
+
+def _pair(dtype: torch.dtype = torch.float32) -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(0)
+    ref = TinyTransformer().to(dtype)
+    return ref, copy.deepcopy(ref)
+
+
+class ReferenceStepper:
+    """Single-process reference: the library's step function per matrix + torch AdamW tail."""
+
+    def __init__(self, model: nn.Module, matrix_fqns: set[str], name: str, lr: float,
+                 kwargs: dict) -> None:
+        params = dict(model.named_parameters())
+        self.matrices = {f: params[f] for f in matrix_fqns}
+        self.spec = get_matrix_optimizer(name)
+        self.config = self.spec.make_config(kwargs)
+        self.lr, self.state, self.steps = lr, {}, {}
+        self.tail = torch.optim.AdamW(
+            [p for f, p in params.items() if f not in matrix_fqns], lr=1e-2, weight_decay=0.1
+        )
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for fqn, p in self.matrices.items():
+            if p.grad is None:
+                continue
+            if fqn not in self.state:
+                self.state[fqn] = self.spec.init_state_fn(p, self.config)
+            self.steps[fqn] = self.steps.get(fqn, 0) + 1
+            self.spec.step_fn(p, p.grad, self.state[fqn], lr=self.lr, weight_decay=0.1,
+                              step=self.steps[fqn], initial_lr=self.lr, config=self.config)
+        self.tail.step()
+
+    def zero_grad(self) -> None:
+        for p in self.matrices.values():
+            p.grad = None
+        self.tail.zero_grad()
+
+
+def _make_opt(model: nn.Module, name: str, **kwargs) -> mf.MatrixOptimizer:
+    return mf.MatrixOptimizer(model, optimizer=name, lr=LR.get(name, 0.02), weight_decay=0.1,
+                              tail_lr=1e-2, tail_weight_decay=0.1, **kwargs)
+
+
+def _load_reference(ref: nn.Module, params: dict, grads: dict) -> None:
+    with torch.no_grad():
+        for fqn, p in ref.named_parameters():
+            p.copy_(params[fqn])
+            p.grad = None if grads[fqn] is None else grads[fqn].clone()
+
+
+def _step_by_step(rank: int, world: int, name: str, steps: int = 3) -> None:
+    """Each step: reduced grads == full-batch grads; one step == one single-process step."""
+    ref, model = _pair()
+    mf.fully_shard_matrix(model)
+    plan = mf.get_plan(model)
+    matrix_fqns = {p.fqn for p in plan.matrices}
+    opt = _make_opt(model, name)
+    if name == "muon":  # the reference is torch's own Muon + AdamW
+        params = dict(ref.named_parameters())
+        ref_matrix = torch.optim.Muon([params[f] for f in sorted(matrix_fqns)], lr=0.02,
+                                      weight_decay=0.1)
+        ref_tail = torch.optim.AdamW([p for f, p in params.items() if f not in matrix_fqns],
+                                     lr=1e-2, weight_decay=0.1)
+    else:
+        stepper = ReferenceStepper(ref, matrix_fqns, name, LR[name], {})
+    for step in range(steps):
+        tokens = global_batch(step)
+        before = full_values(model)
+        state_before = full_optimizer_state(model, opt)
+        _load_reference(ref, before, {f: None for f in before})
+        lm_loss(ref, tokens).backward()
+        lm_loss(model, local_batch(tokens, rank, world)).backward()
+        grads = full_values(model, "grad")
+        assert_close_dicts(grads, reference_values(ref, "grad"), 1e-6, f"{name} step {step} grad")
+        _load_reference(ref, before, grads)
+        params = dict(ref.named_parameters())
+        if name == "muon":
+            for fqn, st in state_before.items():
+                target = ref_matrix if fqn in matrix_fqns else ref_tail
+                if st:
+                    target.state[params[fqn]] = {k: v.clone() for k, v in st.items()}
+            ref_matrix.step()
+            ref_tail.step()
+        else:
+            for fqn, st in state_before.items():
+                if not st:
+                    continue
+                if fqn in matrix_fqns:
+                    stepper.state[fqn] = {k: v.clone() for k, v in st.items() if k != "step"}
+                    stepper.steps[fqn] = int(st["step"].item())
+                else:
+                    stepper.tail.state[params[fqn]] = {k: v.clone() for k, v in st.items()}
+            stepper.step()
+        opt.step()
+        after = full_values(model)
+        want = {f: params[f].detach() - before[f] for f in before}
+        got = {f: after[f] - before[f] for f in before}
+        assert_close_dicts(got, want, 1e-6, f"{name} step {step} update")
+        opt.zero_grad()
+
+
+def _free_running(rank: int, world: int, name: str, steps: int = 10) -> None:
+    """fp32 math: 10 free-running steps agree with one process within 1e-5."""
+    ref, model = _pair(FREE_RUNNING_DTYPE.get(name, torch.float32))
+    mf.fully_shard_matrix(model)
+    matrix_fqns = {p.fqn for p in mf.get_plan(model).matrices}
+    kwargs = FP32_KWARGS.get(name, {})
+    opt = _make_opt(model, name, **kwargs)
+    stepper = ReferenceStepper(ref, matrix_fqns, name, LR[name], kwargs)
+    for step in range(steps):
+        tokens = global_batch(step)
+        lm_loss(ref, tokens).backward()
+        lm_loss(model, local_batch(tokens, rank, world)).backward()
+        stepper.step()
+        opt.step()
+        stepper.zero_grad()
+        opt.zero_grad()
+    assert_close_dicts(full_values(model), reference_values(ref), 1e-5, f"{name} free-running")
+
+
+def _zero_collectives_and_owner_state(rank: int, world: int, name: str) -> None:
+    _, model = _pair()
+    mf.fully_shard_matrix(model)
+    runtime = mf.get_state(model)
+    opt = _make_opt(model, name)
+    for step in range(2):
+        lm_loss(model, local_batch(global_batch(step), rank, world)).backward()
+        runtime.comm.counter.reset()
+        assert count_collectives(opt.step) == 0, "the optimizer step communicated"
+        assert runtime.comm.counter.snapshot()["optimizer"]["calls"] == 0
+        opt.zero_grad()
+    expected = 0
+    for mp in runtime.params.values():
+        if mp.is_owner and mp.requires_grad and "unused" not in mp.fqn:
+            assert mp.sharded in opt.state, f"owner lacks state for {mp.fqn}"
+            expected += sum(v.numel() * v.element_size() for k, v in opt.state[mp.sharded].items()
+                            if k != "step") + 4
+        else:
+            assert mp.sharded not in opt.state, f"state exists off-owner for {mp.fqn}"
+    assert opt.matrix_state_bytes() == expected
+    if name == "muon":  # Muon's state is one momentum buffer per owned matrix: m·n·4 bytes
+        owned = sum(mp.numel * 4 + 4 for mp in runtime.params.values()
+                    if mp.is_owner and "unused" not in mp.fqn)
+        assert opt.matrix_state_bytes() == owned
+    # Clipping adds exactly one scalar all-reduce (none at world size 1).
+    lm_loss(model, local_batch(global_batch(5), rank, world)).backward()
+    assert count_collectives(lambda: mf.clip_grad_norm_(model, 1.0)) == (world > 1)
+
+
+def _clip_matches_reference(rank: int, world: int) -> None:
+    ref, model = _pair()
+    mf.fully_shard_matrix(model)
+    tokens = global_batch(0)
+    lm_loss(ref, tokens).backward()
+    lm_loss(model, local_batch(tokens, rank, world)).backward()
+    want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+    got = mf.clip_grad_norm_(model, 0.5)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    assert_close_dicts(full_values(model, "grad"), reference_values(ref, "grad"), 1e-6, "clipped")
+
+
+def _torch_class_and_scheduler(rank: int, world: int) -> None:
+    """torch.optim.Muon as the matrix class equals the built-in Muon; schedulers drive both."""
+    _, model_a = _pair()
+    _, model_b = _pair()
+    mf.fully_shard_matrix(model_a)
+    mf.fully_shard_matrix(model_b)
+    opt_a = _make_opt(model_a, "muon")
+    opt_b = mf.MatrixOptimizer(model_b, optimizer=torch.optim.Muon, lr=0.02, weight_decay=0.1,
+                               tail_lr=1e-2, tail_weight_decay=0.1)
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (1 + s)) for o in (opt_a, opt_b)]
+    for step in range(3):
+        for model, opt, sched in zip((model_a, model_b), (opt_a, opt_b), scheds):
+            lm_loss(model, local_batch(global_batch(step), rank, world)).backward()
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+    assert opt_a.param_groups[0]["lr"] == pytest.approx(0.02 / 4)
+    assert opt_a.param_groups[1]["lr"] == pytest.approx(1e-2 / 4)
+    assert_close_dicts(full_values(model_b), full_values(model_a), 0.0, "torch.optim.Muon")
+
+
+def _state_dict_round_trip(rank: int, world: int) -> None:
+    _, model_a = _pair()
+    mf.fully_shard_matrix(model_a)
+    opt_a = _make_opt(model_a, "okls")
+    for step in range(2):
+        lm_loss(model_a, local_batch(global_batch(step), rank, world)).backward()
+        opt_a.step()
+        opt_a.zero_grad()
+    _, model_b = _pair()
+    mf.fully_shard_matrix(model_b)
+    model_b.load_state_dict(model_a.state_dict())
+    opt_b = _make_opt(model_b, "okls")
+    opt_b.load_state_dict(copy.deepcopy(opt_a.state_dict()))  # torch does not copy tensors
+    for model, opt in ((model_a, opt_a), (model_b, opt_b)):
+        lm_loss(model, local_batch(global_batch(7), rank, world)).backward()
+        opt.step()
+    assert_close_dicts(full_values(model_b), full_values(model_a), 0.0, "resumed")
+
+
+def _bad_hyperparameters(rank: int, world: int) -> None:
+    _, model = _pair()
+    mf.fully_shard_matrix(model)
+    with pytest.raises(ValueError, match="lr"):
+        mf.MatrixOptimizer(model, "muon", lr=-1.0)
+    with pytest.raises(ValueError, match="tail_weight_decay"):
+        mf.MatrixOptimizer(model, "muon", tail_weight_decay=-0.1)
+    with pytest.raises(ValueError, match="betas"):
+        mf.MatrixOptimizer(model, "shampoo", betas=(1.0, 0.9))
+    with pytest.raises(ValueError, match="beta1"):
+        mf.MatrixOptimizer(model, "okls", beta1=1.5)
+    with pytest.raises(ValueError, match="momentum"):
+        mf.MatrixOptimizer(model, "muon", momentum=-0.5)
+    with pytest.raises(ValueError, match="unknown matrix optimizer 'adafactorx'"):
+        mf.MatrixOptimizer(model, "adafactorx")
+    with pytest.raises(ValueError, match="does not take"):
+        mf.MatrixOptimizer(model, "muon", betas=(0.9, 0.9))
+
+
+def _world(rank: int, world: int) -> None:
+    subtests = {}
+    if world > 1:
+        for name in MATRIX_OPTIMIZERS:
+            subtests[f"step_by_step_{name}"] = functools.partial(_step_by_step, rank, world, name)
+    for name in MATRIX_OPTIMIZERS:
+        subtests[f"free_running_{name}"] = functools.partial(_free_running, rank, world, name)
+    if world > 1:
+        for name in ("muon", "okls"):
+            subtests[f"zero_collectives_{name}"] = functools.partial(
+                _zero_collectives_and_owner_state, rank, world, name
+            )
+        subtests["clip_matches_reference"] = functools.partial(_clip_matches_reference, rank, world)
+        subtests["torch_class_and_scheduler"] = functools.partial(
+            _torch_class_and_scheduler, rank, world
+        )
+        subtests["state_dict_round_trip"] = functools.partial(_state_dict_round_trip, rank, world)
+        subtests["bad_hyperparameters"] = functools.partial(_bad_hyperparameters, rank, world)
+    run_subtests(rank, subtests)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_matrix_optimizer(world: int) -> None:
+    run_world(world, _world)
