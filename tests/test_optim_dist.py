@@ -200,7 +200,7 @@ def _torch_class_and_scheduler(rank: int, world: int) -> None:
                                tail_lr=1e-2, tail_weight_decay=0.1)
     scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (1 + s)) for o in (opt_a, opt_b)]
     for step in range(3):
-        for model, opt, sched in zip((model_a, model_b), (opt_a, opt_b), scheds):
+        for model, opt, sched in zip((model_a, model_b), (opt_a, opt_b), scheds, strict=True):
             lm_loss(model, local_batch(global_batch(step), rank, world)).backward()
             opt.step()
             opt.zero_grad()
