@@ -1,0 +1,69 @@
+"""Small shared linear-algebra helpers (batched over leading dims)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["batched_addmm", "dtype_from_name", "inverse_root_eigh"]
+
+_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """Map a config dtype name ("float32", ...) to a ``torch.dtype``."""
+    return _DTYPES[name]
+
+
+def batched_addmm(c: Tensor, a: Tensor, b: Tensor, *, beta: float, alpha: float) -> Tensor:
+    """``beta * c + alpha * a @ b`` for (m, k) or (*, m, k) operands.
+
+    2-D operands go through ``torch.addmm``; batched ones are flattened to one
+    batch dim and go through ``torch.baddbmm``.
+    """
+    if a.dim() == 2:
+        return torch.addmm(c, a, b, beta=beta, alpha=alpha)
+    lead = a.shape[:-2]
+    out = torch.baddbmm(
+        c.reshape(-1, *c.shape[-2:]),
+        a.reshape(-1, *a.shape[-2:]),
+        b.reshape(-1, *b.shape[-2:]),
+        beta=beta,
+        alpha=alpha,
+    )
+    return out.reshape(*lead, *out.shape[-2:])
+
+
+def inverse_root_eigh(
+    A: Tensor,
+    root: float,
+    *,
+    eps: float,
+    relative_to: str = "max",
+    dtype: torch.dtype = torch.float32,
+) -> Tensor:
+    """``(A + r I)^{-1/root}`` of symmetric PSD ``A`` (*, d, d) by ``torch.linalg.eigh``.
+
+    The regularizer is ``r = eps * lambda_max(A)`` (``relative_to="max"``) or
+    ``r = eps * tr(A) / d`` (``"mean"``), so the root is scale-equivariant:
+    ``(cA)^{-1/root} = c^{-1/root} A^{-1/root}``. Negative (round-off)
+    eigenvalues are clamped to 0. ``A`` is normalised by ``tr(A)/d`` before
+    the eigensolve and the scale is restored afterwards. Computed in
+    ``dtype``; returned in fp32.
+    """
+    d = A.shape[-1]
+    X = A.to(dtype)
+    X = (X + X.mT) * 0.5
+    tiny = torch.finfo(dtype).tiny
+    c = (X.diagonal(dim1=-2, dim2=-1).sum(-1) / d).clamp_min(tiny)
+    evals, evecs = torch.linalg.eigh(X / c[..., None, None])
+    evals = evals.clamp_min(0.0)
+    if relative_to == "max":
+        reg = eps * evals[..., -1:]
+    elif relative_to == "mean":
+        reg = torch.full_like(evals[..., -1:], eps)
+    else:
+        raise ValueError(f"relative_to must be 'max' or 'mean', got {relative_to!r}")
+    powered = (evals + reg.clamp_min(tiny)).pow(-1.0 / root)
+    out = (evecs * powered.unsqueeze(-2)) @ evecs.mT
+    return out.mul_(c.pow(-1.0 / root)[..., None, None]).to(torch.float32)
