@@ -1,0 +1,1 @@
+"""The ``matrixfsdp`` command line: ``train``, ``plan``, ``inspect``."""

@@ -1,0 +1,166 @@
+"""``matrixfsdp`` console script: ``train``, ``plan``, ``inspect``.
+
+Imports stay lazy so ``matrixfsdp plan`` never loads torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+__all__ = ["config_overrides", "main"]
+
+_TORCHRUN_PASSTHROUGH = ("--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-id",
+                         "--rdzv-backend", "--max-restarts", "--master-addr", "--master-port")
+
+
+def _override_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--optimizer", choices=["muon", "shampoo", "soap", "okls", "emagram", "adamw"])
+    p.add_argument("--steps", type=int)
+    p.add_argument("--nproc", type=int, help="ranks on this node (default: 2)")
+    p.add_argument("--out", help="output directory (default: runs/default)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override any config field, e.g. --set lr=0.01 --set model.dim=256")
+    return p
+
+
+def config_overrides(argv: list[str]) -> dict[str, Any]:
+    """Flags (and ``--set key=value`` pairs) to ``load_config`` keyword overrides."""
+    import yaml
+
+    args, unknown = _override_parser().parse_known_args(argv)
+    if unknown:
+        raise SystemExit(f"matrixfsdp train: unrecognized arguments: {' '.join(unknown)}")
+    overrides: dict[str, Any] = {"optimizer": args.optimizer, "steps": args.steps,
+                                 "nproc": args.nproc, "out": args.out}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--set expects KEY=VALUE, got {item!r}")
+        overrides[key] = yaml.safe_load(value)
+    return overrides
+
+
+def _cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
+    from .config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config, **config_overrides(rest))  # fails before any process
+    except ConfigError as exc:
+        print(f"matrixfsdp train: {exc}", file=sys.stderr)
+        return 2
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    resolved = out / "config.json"
+    resolved.write_text(cfg.model_dump_json(indent=2) + "\n")
+    if args.device != "auto":
+        os.environ["MATRIXFSDP_DEVICE"] = args.device
+    rdzv = [x for flag, value in vars(args).items() if flag.startswith("tr_") and value is not None
+            for x in (f"--{flag[3:].replace('_', '-')}", str(value))]
+    torchrun = ["--nproc-per-node", str(cfg.nproc), *(rdzv or ["--standalone"]),
+                "-m", "matrixfsdp.launch.train", "--config", str(resolved)]
+    if args.resume:
+        torchrun.append("--resume")
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    try:
+        run(get_args_parser().parse_args(torchrun))
+    except ChildFailedError as exc:
+        print(f"matrixfsdp train: a rank failed ({exc.name}); see the log above. Rerun with "
+              "--resume to continue from the latest checkpoint.", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from .plan_cmd import format_plan, plan_for_model
+
+    cap = int(args.memory_cap_gib * 1024**3) if args.memory_cap_gib else None
+    try:
+        plan = plan_for_model(args.model, args.world_size, args.optimizer, cap)
+    except ValueError as exc:
+        print(f"matrixfsdp plan: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(plan.to_json(indent=2))
+    else:
+        print(format_plan(plan, title=f"owner plan for {args.model} on {args.world_size} ranks "
+                                      f"(cost: {args.optimizer})"))
+    return 0
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from .inspect_cmd import inspect_checkpoint
+
+    try:
+        print(inspect_checkpoint(args.checkpoint))
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"matrixfsdp inspect: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="matrixfsdp", description=(
+        "Owner-shaped ZeRO-3 sharding for matrix optimizers on PyTorch FSDP2."))
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="train the embedded byte-level GPT (or your config)",
+                           parents=[_override_parser()])
+    train.add_argument("--config", help="YAML or JSON file of TrainConfig fields")
+    train.add_argument("--resume", action="store_true", help="continue from OUT/checkpoints")
+    train.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    for flag in _TORCHRUN_PASSTHROUGH:
+        train.add_argument(flag, dest="tr_" + flag[2:].replace("-", "_"),
+                           help="passed to torchrun (multi-node rendezvous)")
+    plan = sub.add_parser("plan", help="print the owner plan of a model (no process group)")
+    plan.add_argument("--model", default="llama3-8b",
+                      help="preset (llama3-8b, llama3-70b, llama2-7b, gpt-small) or module:factory")
+    plan.add_argument("--world-size", type=int, required=True)
+    plan.add_argument("--optimizer", default="muon",
+                      choices=["muon", "shampoo", "soap", "okls", "emagram", "adamw"])
+    plan.add_argument("--memory-cap-gib", type=float, help="max matrix GiB per rank")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    inspect = sub.add_parser("inspect", help="print a checkpoint's layout, step and sizes")
+    inspect.add_argument("checkpoint")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "train":
+        # Config overrides travel as raw flags; launcher-only flags are dropped first.
+        return _cmd_train(args, _strip_train_only(argv[1:]))
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.command == "plan":
+        return _cmd_plan(args)
+    return _cmd_inspect(args)
+
+
+def _strip_train_only(argv: list[str]) -> list[str]:
+    """Drop flags that belong to the launcher, keeping config overrides."""
+    out, skip = [], False
+    launcher = {"--config", "--device", *_TORCHRUN_PASSTHROUGH}
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        name = arg.split("=", 1)[0]
+        if arg == "--resume":
+            continue
+        if name in launcher:
+            skip = "=" not in arg
+            continue
+        out.append(arg)
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())

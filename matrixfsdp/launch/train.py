@@ -1,0 +1,274 @@
+"""One training rank: ``torchrun --nproc-per-node N -m matrixfsdp.launch.train --config C``.
+
+``matrixfsdp train`` validates the configuration, writes it to ``OUT/config.json`` and starts this
+module on every rank through torchrun's machinery; multi-node runs use torchrun's rendezvous flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import resource
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import matrixfsdp as mf
+
+from .config import TrainConfig, load_config
+from .data import ByteCorpus
+from .model import GPT
+
+__all__ = ["main", "train"]
+
+logger = logging.getLogger(__name__)
+
+_FAIL_AT_STEP_ENV = "MATRIXFSDP_FAIL_AT_STEP"  # tests: die abruptly at this step, like a kill
+
+
+@dataclass
+class RunContext:
+    cfg: TrainConfig
+    rank: int
+    world: int
+    device: torch.device
+    out: Path
+    corpus: ByteCorpus
+    model: GPT
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def checkpoint_root(self) -> Path:
+        return self.out / "checkpoints"
+
+
+def _init_distributed() -> tuple[int, int, torch.device]:
+    use_cuda = torch.cuda.is_available() and os.environ.get("MATRIXFSDP_DEVICE", "") != "cpu"
+    if use_cuda:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if use_cuda else "gloo")
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def _lr_lambda(cfg: TrainConfig):
+    def factor(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+def _build(cfg: TrainConfig) -> RunContext:
+    rank, world, device = _init_distributed()
+    if cfg.global_batch % world:
+        raise ValueError(f"global_batch ({cfg.global_batch}) must be divisible by the world size ({world})")
+    torch.manual_seed(cfg.seed)
+    corpus = ByteCorpus(cfg.corpus_bytes, cfg.val_fraction)
+    model = GPT(cfg.model).to(device)
+    cost = "bytes" if cfg.optimizer == "adamw" else cfg.optimizer
+    mf.fully_shard_matrix(model, reshard_after_forward=cfg.reshard_after_forward, planner=cost)
+    kwargs = dict(cfg.optimizer_kwargs)
+    if cfg.optimizer == "muon" and device.type == "cpu":
+        kwargs.setdefault("ns_dtype", "float32")  # bf16 GEMMs are slow on CPUs
+    optimizer = mf.MatrixOptimizer(
+        model, optimizer=cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay,
+        tail_lr=cfg.tail_lr, tail_weight_decay=cfg.tail_weight_decay, **kwargs,
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg))
+    return RunContext(cfg, rank, world, device, Path(cfg.out), corpus, model, optimizer, scheduler)
+
+
+def _resume(ctx: RunContext) -> int:
+    path = mf.checkpoint.latest(ctx.checkpoint_root)
+    if path is None:
+        if ctx.rank == 0:
+            logger.warning("--resume: no checkpoint under %s; starting from step 0", ctx.checkpoint_root)
+        return 0
+    info = mf.checkpoint.load(path, ctx.model, ctx.optimizer)
+    step = int(info["step"])
+    ctx.scheduler.last_epoch = step  # the schedule is a pure function of the step
+    factor = _lr_lambda(ctx.cfg)(step)
+    for group in ctx.optimizer.param_groups:
+        group["lr"] = group["initial_lr"] * factor
+    ctx.metrics = [m for m in _read_metrics(ctx.out / "metrics.jsonl") if m["step"] < step]
+    if ctx.rank == 0:
+        logger.info("resumed from %s at step %d", path, step)
+    return step
+
+
+def _read_metrics(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _global_mean(value: torch.Tensor, world: int) -> float:
+    value = value.detach().float().reshape(1).clone()
+    dist.all_reduce(value)
+    return value.item() / world
+
+
+def _train_step(ctx: RunContext, step: int) -> dict[str, Any]:
+    cfg, state = ctx.cfg, mf.get_state(ctx.model)
+    batch = ctx.corpus.batch("train", step, cfg.global_batch, cfg.model.seq_len, cfg.seed)
+    per = cfg.global_batch // ctx.world
+    local = batch[ctx.rank * per : (ctx.rank + 1) * per].to(ctx.device)
+    before = state.comm.counter.snapshot()
+    _sync(ctx.device)
+    t0 = time.perf_counter()
+    loss = ctx.model.loss(local)
+    _sync(ctx.device)
+    t1 = time.perf_counter()
+    loss.backward()
+    _sync(ctx.device)
+    t2 = time.perf_counter()
+    grad_norm = mf.clip_grad_norm_(ctx.model, cfg.grad_clip) if cfg.grad_clip else None
+    lr = ctx.optimizer.param_groups[0]["lr"]
+    ctx.optimizer.step()
+    ctx.optimizer.zero_grad(set_to_none=True)
+    ctx.scheduler.step()
+    _sync(ctx.device)
+    t3 = time.perf_counter()
+    after = state.comm.counter.snapshot()
+    comm = {phase: after[phase]["bytes_sent"] - before[phase]["bytes_sent"] for phase in after}
+    return {
+        "step": step + 1, "loss": _global_mean(loss, ctx.world), "lr": lr,
+        "grad_norm": None if grad_norm is None else float(grad_norm),
+        "time_forward": t1 - t0, "time_backward": t2 - t1, "time_optimizer": t3 - t2,
+        "time_step": t3 - t0, "tokens_per_s": cfg.global_batch * cfg.model.seq_len / (t3 - t0),
+        "matrix_comm_bytes_sent": comm, "peak_rss_mib": _peak_memory_mib(ctx.device),
+    }
+
+
+def _peak_memory_mib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+@torch.no_grad()
+def _evaluate(ctx: RunContext, step: int) -> float:
+    cfg, per = ctx.cfg, ctx.cfg.global_batch // ctx.world
+    total = torch.zeros((), device=ctx.device)
+    for i in range(cfg.eval_batches):
+        batch = ctx.corpus.batch("val", i, cfg.global_batch, cfg.model.seq_len, cfg.seed)
+        total += ctx.model.loss(batch[ctx.rank * per : (ctx.rank + 1) * per].to(ctx.device))
+    return _global_mean(total / cfg.eval_batches, ctx.world)
+
+
+def _save(ctx: RunContext, step: int) -> None:
+    path = ctx.checkpoint_root / f"step_{step:08d}"
+    mf.checkpoint.save(path, ctx.model, ctx.optimizer, step=step, extra={"config": ctx.cfg.model_dump()})
+    if ctx.rank == 0:
+        done = sorted(p for p in ctx.checkpoint_root.glob("step_*") if p.is_dir() and p != path)
+        for old in done[: max(0, len(done) - (ctx.cfg.keep_checkpoints - 1))]:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def train(cfg: TrainConfig, *, resume: bool = False) -> list[dict[str, Any]]:
+    """Run the training loop on this rank; returns the metrics (complete on rank 0)."""
+    ctx = _build(cfg)
+    start = _resume(ctx) if resume else 0
+    progress = _progress(ctx, start)
+    fail_at = int(os.environ.get(_FAIL_AT_STEP_ENV, "-1"))
+    with _MetricsWriter(ctx) as writer:
+        for step in range(start, cfg.steps):
+            if step == fail_at:
+                os._exit(17)  # simulate a killed job (no cleanup, no final checkpoint)
+            record = _train_step(ctx, step)
+            if record["step"] % cfg.eval_every == 0 or record["step"] == cfg.steps:
+                record["val_loss"] = _evaluate(ctx, step)
+            writer.write(record)
+            if record["step"] % cfg.checkpoint_every == 0 or record["step"] == cfg.steps:
+                _save(ctx, record["step"])
+            if progress is not None:
+                progress.update(1)
+                progress.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
+    if progress is not None:
+        progress.close()
+    if ctx.rank == 0:
+        from .report import write_report
+
+        write_report(ctx.out, ctx.metrics, cfg, ctx.corpus.unigram_loss(), mf.get_plan(ctx.model))
+    return ctx.metrics
+
+
+def _progress(ctx: RunContext, start: int):
+    if ctx.rank != 0:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=ctx.cfg.steps, initial=start, desc=f"train {ctx.cfg.optimizer}", unit="step",
+                dynamic_ncols=True)
+
+
+class _MetricsWriter:
+    """Rank 0 rewrites ``metrics.jsonl`` from the resumed prefix, then appends one line per step."""
+
+    def __init__(self, ctx: RunContext) -> None:
+        self.ctx = ctx
+        self.file = None
+
+    def __enter__(self) -> _MetricsWriter:
+        if self.ctx.rank == 0:
+            self.ctx.out.mkdir(parents=True, exist_ok=True)
+            self.file = (self.ctx.out / "metrics.jsonl").open("w")
+            for record in self.ctx.metrics:
+                self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+        return self
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.ctx.metrics.append(record)
+        if self.file is not None:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.file is not None:
+            self.file.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="matrixfsdp.launch.train", description=__doc__)
+    parser.add_argument("--config", help="YAML/JSON training config (defaults if omitted)")
+    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    args, rest = parser.parse_known_args(argv)
+    from .cli import config_overrides
+
+    cfg = load_config(args.config, **config_overrides(rest))
+    logging.basicConfig(level=logging.INFO if int(os.environ.get("RANK", "0")) == 0 else logging.WARNING,
+                        format="%(asctime)s %(name)s: %(message)s")
+    try:
+        train(cfg, resume=args.resume)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
