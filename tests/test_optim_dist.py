@@ -84,7 +84,7 @@ def _step_by_step(rank: int, world: int, name: str, steps: int = 3) -> None:
     mf.fully_shard_matrix(model)
     plan = mf.get_plan(model)
     matrix_fqns = {p.fqn for p in plan.matrices}
-    opt = _make_opt(model, name)
+    opt = _make_opt(model, name, batch_same_shape=False)  # per-matrix, as the reference
     if name == "muon":  # the reference is torch's own Muon + AdamW
         params = dict(ref.named_parameters())
         ref_matrix = torch.optim.Muon([params[f] for f in sorted(matrix_fqns)], lr=0.02,
@@ -229,6 +229,24 @@ def _state_dict_round_trip(rank: int, world: int) -> None:
     assert_close_dicts(full_values(model_b), full_values(model_a), 0.0, "resumed")
 
 
+def _batched_equals_unbatched(rank: int, world: int, name: str) -> None:
+    """Stacking same-shape owned matrices into (B, m, n) changes only rounding."""
+    models, opts = [], []
+    for batched in (True, False):
+        _, model = _pair()
+        mf.fully_shard_matrix(model)
+        models.append(model)
+        opts.append(_make_opt(model, name, batch_same_shape=batched, **FP32_KWARGS.get(name, {})))
+    for step in range(3):
+        for model, opt in zip(models, opts, strict=True):
+            lm_loss(model, local_batch(global_batch(step), rank, world)).backward()
+            opt.step()
+            opt.zero_grad()
+    batches = opts[0]._batches([p for p in opts[0].param_groups[0]["params"] if p in opts[0].state])
+    assert world > 2 or any(len(b) > 1 for b in batches), "no batch formed: the test tests nothing"
+    assert_close_dicts(full_values(models[0]), full_values(models[1]), 1e-5, f"{name} batched")
+
+
 def _bad_hyperparameters(rank: int, world: int) -> None:
     _, model = _pair()
     mf.fully_shard_matrix(model)
@@ -266,6 +284,8 @@ def _world(rank: int, world: int) -> None:
         )
         subtests["state_dict_round_trip"] = functools.partial(_state_dict_round_trip, rank, world)
         subtests["bad_hyperparameters"] = functools.partial(_bad_hyperparameters, rank, world)
+        for name in MATRIX_OPTIMIZERS:
+            subtests[f"batched_{name}"] = functools.partial(_batched_equals_unbatched, rank, world, name)
     run_subtests(rank, subtests)
 
 

@@ -3,17 +3,20 @@
 [Note: one step of the matrix runtime]
 - Root forward-pre: a new iteration starts (unless we are inside backward).
 - Group forward-pre: gather the group's matrices from their owners (owner-segment all-gather-v),
-  swap the unsharded leaves into the modules.
+  swap the unsharded leaves into the modules, and wrap the inputs that require grad in
+  ``_PostBackward`` (an identity whose backward marks the group's backward as done). With
+  prefetch on, the next group's gather is issued now, asynchronously.
 - Group forward-post: swap the sharded parameters back; reshard (free non-owned storage) when
   ``reshard_after_forward`` or when grad is off; register pre-backward hooks on the outputs.
-- Pre-backward (first gradient reaching a group's output): gather again if resharded; the first
-  one in a backward queues the end-of-backward callback.
-- Post-accumulate-grad on each unsharded leaf: once every trainable matrix of a group has its
-  gradient, the group becomes *ready*. Reductions are issued strictly in *reduce order* (the
-  reverse of this iteration's forward-post order), so every rank issues the same collectives in the
-  same order even when a matrix is unused on some rank: a group waits for its predecessors.
-- End of backward: issue the remaining reductions (unused matrices included, or ranks deadlock),
-  wait on all, hand owners their averaged gradients, reshard every group.
+- Pre-backward (first gradient reaching a group's output): gather again if resharded (and prefetch
+  the group that ran before it); the first one in a backward queues the end-of-backward callback.
+- Post-backward (gradient reaching the group's inputs): the autograd engine runs every
+  AccumulateGrad node as soon as it is ready (highest priority), so all of the group's parameter
+  gradients are in place; reduce them to their owners (async) and reshard. This event happens at
+  the same point of the backward on every rank, also when some matrix got no gradient on some
+  rank, so every rank issues the same collectives in the same order.
+- End of backward: reduce groups whose post-backward never fired (their inputs needed no grad),
+  in registration order; wait on all; hand owners their averaged gradients; reshard everything.
 Activation-checkpoint recomputation re-enters the forward hooks inside backward; they then only
 swap parameters (``torch._C._current_graph_task_id() != -1`` tells us we are in backward).
 """
@@ -22,12 +25,13 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 from torch.autograd import Variable
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..collectives import OwnerComm, Phase, comm_phase
 from ..planner import Plan
@@ -43,6 +47,20 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+class _PostBackward(torch.autograd.Function):
+    """Identity on a group's inputs; its backward runs once the group's backward is complete."""
+
+    @staticmethod
+    def forward(ctx: Any, callback: Callable[[], None], *inputs: torch.Tensor) -> Any:
+        ctx.callback = callback
+        return inputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        ctx.callback()
+        return (None, *grads)
+
+
 class MatrixFSDPState:
     """Everything the runtime knows about one wrapped model."""
 
@@ -55,6 +73,7 @@ class MatrixFSDPState:
         comm: OwnerComm,
         mesh: object,
         reshard_after_forward: bool,
+        prefetch: bool = True,
     ) -> None:
         self.root = root
         self.plan = plan
@@ -62,26 +81,28 @@ class MatrixFSDPState:
         self.comm = comm
         self.mesh = mesh
         self.reshard_after_forward = reshard_after_forward
+        self.prefetch = prefetch
         self.requires_grad_sync = True
         self.params: dict[str, MatrixParam] = {p.fqn: p for g in self.groups for p in g.params}
         self._handles: list[object] = []
+        self._last_forward_order: list[MatrixGroup] = []
         self._reset_iteration()
 
     # -- iteration bookkeeping --------------------------------------------------------------------
     def _reset_iteration(self) -> None:
         self._forward_order: list[MatrixGroup] = []
-        self._ready: set[int] = set()
-        self._fired: dict[int, set[int]] = {}  # group id -> ids of leaves whose grad arrived
+        self._pending_calls: dict[int, int] = {}  # group id -> forward calls awaiting backward
         self._issued: list[PendingReduce] = []
-        self._issued_groups: set[int] = set()
+        self._reduced: set[int] = set()
         self._callback_queued = False
 
-    def _reduce_order(self) -> list[MatrixGroup]:
-        """Reverse forward order, then groups that did not run (registration order)."""
-        ran = list(reversed(self._forward_order))
-        seen = {id(g) for g in ran}
-        order = ran + [g for g in self.groups if id(g) not in seen]
-        return [g for g in order if g.trainable]
+    def _neighbor(self, order: Sequence[MatrixGroup], group: MatrixGroup, step: int) -> MatrixGroup | None:
+        """The group ``step`` places after ``group`` in ``order`` (None at either end)."""
+        for i, g in enumerate(order):
+            if g is group:
+                j = i + step
+                return order[j] if 0 <= j < len(order) else None
+        return None
 
     # -- hook registration ------------------------------------------------------------------------
     def register_hooks(self) -> None:
@@ -90,29 +111,47 @@ class MatrixFSDPState:
         )
         for group in self.groups:
             module = group.module
-            self._handles.append(
-                module.register_forward_pre_hook(functools.partial(self._pre_forward, group))
-            )
+            self._handles.append(module.register_forward_pre_hook(
+                functools.partial(self._pre_forward, group), with_kwargs=True
+            ))
             self._handles.append(
                 module.register_forward_hook(functools.partial(self._post_forward, group))
             )
-            for p in group.trainable:
-                self._handles.append(
-                    p.unsharded.register_post_accumulate_grad_hook(
-                        functools.partial(self._post_accumulate_grad, group)
-                    )
-                )
 
     # -- forward ----------------------------------------------------------------------------------
     def _root_pre_forward(self, module: nn.Module, args: object) -> None:
         if not in_backward():
+            if self._forward_order:
+                self._last_forward_order = self._forward_order
             self._reset_iteration()
 
-    def _pre_forward(self, group: MatrixGroup, module: nn.Module, args: object) -> None:
-        with comm_phase(Phase.BACKWARD if in_backward() else Phase.FORWARD):
+    def _pre_forward(
+        self, group: MatrixGroup, module: nn.Module, args: tuple, kwargs: dict
+    ) -> tuple[tuple, dict]:
+        recompute = in_backward()
+        with comm_phase(Phase.BACKWARD if recompute else Phase.FORWARD):
             group.unshard()
             group.wait_unshard()
+            if self.prefetch and not recompute:
+                nxt = self._neighbor(self._last_forward_order, group, +1)
+                if nxt is not None:
+                    nxt.unshard(async_op=True)
         group.use_unsharded()
+        if recompute or not torch.is_grad_enabled() or not group.trainable:
+            return args, kwargs
+        return self._register_post_backward(group, args, kwargs)
+
+    def _register_post_backward(self, group: MatrixGroup, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        flat, spec = tree_flatten((args, kwargs))
+        index = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not index:
+            return args, kwargs
+        self._pending_calls[id(group)] = self._pending_calls.get(id(group), 0) + 1
+        wrapped = _PostBackward.apply(functools.partial(self._post_backward, group),
+                                      *(flat[i] for i in index))
+        for i, tensor in zip(index, wrapped, strict=True):
+            flat[i] = tensor
+        return tree_unflatten(flat, spec)
 
     def _post_forward(
         self, group: MatrixGroup, module: nn.Module, args: object, output: object
@@ -136,28 +175,26 @@ class MatrixFSDPState:
         with comm_phase(Phase.BACKWARD):
             group.unshard()
             group.wait_unshard()
+            if self.prefetch:
+                previous = self._neighbor(self._forward_order, group, -1)
+                if previous is not None and id(previous) not in self._reduced:
+                    previous.unshard(async_op=True)
 
-    def _post_accumulate_grad(self, group: MatrixGroup, param: torch.Tensor) -> None:
-        self._queue_final_callback()
-        fired = self._fired.setdefault(id(group), set())
-        fired.add(id(param))
-        # Count arrivals in *this* backward: earlier no-sync micro-batches leave grads behind.
-        if not self.requires_grad_sync or len(fired) < len(group.trainable):
+    def _post_backward(self, group: MatrixGroup) -> None:
+        remaining = self._pending_calls.get(id(group), 1) - 1
+        self._pending_calls[id(group)] = remaining
+        if remaining > 0:  # the module ran more than once: wait for its last backward
             return
-        self._ready.add(id(group))
-        self._issue_ready_reductions()
+        if self.requires_grad_sync:
+            with comm_phase(Phase.BACKWARD):
+                self._reduce(group)
+        group.reshard()  # its backward is complete: free non-owned storage now
 
-    def _issue_ready_reductions(self, force: bool = False) -> None:
-        """Issue reductions in reduce order, stopping at the first group not ready (unless forced)."""
-        with comm_phase(Phase.BACKWARD):
-            for group in self._reduce_order():
-                if id(group) in self._issued_groups:
-                    continue
-                if not force and id(group) not in self._ready:
-                    return
-                self._issued.append(group.reduce_grads())
-                self._issued_groups.add(id(group))
-                group.reshard()  # its backward is complete: free non-owned storage now
+    def _reduce(self, group: MatrixGroup) -> None:
+        if id(group) in self._reduced or not group.trainable:
+            return
+        self._reduced.add(id(group))
+        self._issued.append(group.reduce_grads())
 
     def _queue_final_callback(self) -> None:
         if not self._callback_queued:
@@ -165,14 +202,16 @@ class MatrixFSDPState:
             Variable._execution_engine.queue_callback(self._final_callback)
 
     def _final_callback(self) -> None:
-        if self.requires_grad_sync:
-            self._issue_ready_reductions(force=True)
         with comm_phase(Phase.BACKWARD):
+            if self.requires_grad_sync:
+                for group in self.groups:  # registration order: the same on every rank
+                    self._reduce(group)
             for reduce in self._issued:
                 reduce.group.finish_reduce(reduce)
         for group in self.groups:
             group.reshard()
             group.use_sharded()
+        self._last_forward_order = self._forward_order
         self._reset_iteration()
 
     # -- control ----------------------------------------------------------------------------------
