@@ -438,3 +438,11 @@ def test_step_updates_a_view_in_place(name):
     assert torch.allclose(big[2:18, 3:27], expected, rtol=1e-6, atol=1e-6)
     big[2:18, 3:27] = 0
     assert not big.any()
+
+
+def test_configs_accept_yaml_lists_and_are_hashable():
+    cfg = ShampooConfig(betas=[0.9, 0.99])
+    assert cfg.betas == (0.9, 0.99)
+    muon = MuonConfig(ns_coefficients=[3, -4.5, 2])
+    assert muon.ns_coefficients == (3.0, -4.5, 2.0)
+    assert len({cfg, muon, SOAPConfig(betas=[0.9, 0.9]), EmaGramConfig(betas=[0.5, 0.5])}) == 4

@@ -54,10 +54,12 @@ def _check_choice(cls: object, field: str, value: object, choices: tuple) -> Non
 
 
 def _check_betas(cls: object, betas: tuple[float, float], *, beta2_closed: bool) -> None:
+    """Validate ``betas`` and store it as a tuple of floats (YAML gives lists)."""
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         _fail(cls, "betas", "a pair (beta1, beta2)", betas)
     _check_unit_interval(cls, "betas[0]", betas[0])
     _check_unit_interval(cls, "betas[1]", betas[1], closed=beta2_closed)
+    object.__setattr__(cls, "betas", (float(betas[0]), float(betas[1])))
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,7 @@ class MuonConfig:
             _fail(self, "ns_coefficients", "a tuple of 3 floats", coeffs)
         if not all(isinstance(c, (int, float)) and math.isfinite(c) for c in coeffs):
             _fail(self, "ns_coefficients", "finite numbers", coeffs)
+        object.__setattr__(self, "ns_coefficients", tuple(float(c) for c in coeffs))
         _check_pos_int(self, "ns_steps", self.ns_steps)
         if self.ns_steps >= 100:
             _fail(self, "ns_steps", "< 100", self.ns_steps)

@@ -11,6 +11,10 @@ with ``s = sqrt(max(1, m/n))`` ("original", default) or ``0.2 sqrt(max(m, n))``
 ("match_rms_adamw"). For a 2-D parameter this replays ``torch.optim.Muon``'s
 operation sequence, so in bf16 the result is bitwise identical. Batched
 ``(*, m, n)`` input runs the same iteration with ``baddbmm`` per slice.
+One intentional difference: torch normalises the Newton–Schulz input in place,
+which for a bf16 parameter with ``nesterov=False`` also rescales the momentum
+buffer (``buf.bfloat16()`` is ``buf`` itself); here the buffer is never
+touched by the orthogonalisation.
 """
 
 from __future__ import annotations
