@@ -158,10 +158,10 @@ def _forged_plan_raises(rank: int, world: int) -> None:
         plan = mf.LPTPlanner()(specs, world_size)
         if rank != 1:
             return plan
-        rows = [p.model_dump() for p in plan.params]
-        for row in rows:
-            if row["role"] == "matrix":
-                row["owner_rank"] = (row["owner_rank"] + 1) % world_size
+        rows = [
+            p._replace(owner_rank=(p.owner_rank + 1) % world_size) if p.role == "matrix" else p
+            for p in plan.params
+        ]
         return mf.Plan(world_size=world_size, planner="forged", params=rows)
 
     with pytest.raises(ValueError, match="different owner plans"):

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from .costs import COST_MODELS, matrix_cost
-from .plan import ParamSpec, Plan
+from .plan import ParamPlacement, ParamSpec, Plan
 
 __all__ = ["LPTPlanner", "make_plan"]
 
@@ -49,42 +49,51 @@ class LPTPlanner:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         matrices = [s for s in specs if s.role == "matrix"]
-        costs = {s.fqn: self.item_cost(s) for s in matrices}
-        order = sorted(matrices, key=lambda s: (-costs[s.fqn], s.fqn))
-        owners = self._assign(order, costs, world_size)
-        rows = [
-            {**s.__dict__, "owner_rank": owners.get(s.fqn), "cost": costs.get(s.fqn, 0.0)}
-            for s in specs
-        ]  # validated in one pass by pydantic-core, much faster than one model per row
-        return Plan.model_validate({"world_size": world_size, "planner": self.name, "params": rows})
+        costs = [self.item_cost(s) for s in matrices]
+        # Largest first; ties broken by FQN (two stable sorts beat one tuple-keyed sort).
+        order = sorted(range(len(matrices)), key=lambda i: matrices[i].fqn)
+        order.sort(key=costs.__getitem__, reverse=True)
+        owner_of = self._assign(matrices, costs, order, world_size)
+        owners = {s.fqn: owner_of[i] for i, s in enumerate(matrices)}
+        cost_of = {s.fqn: costs[i] for i, s in enumerate(matrices)}
+        rows = tuple(
+            ParamPlacement(*s, owners.get(s.fqn), cost_of.get(s.fqn, 0.0)) for s in specs
+        )
+        return Plan(world_size=world_size, planner=self.name, params=rows)
 
     def _assign(
-        self, order: Sequence[ParamSpec], costs: dict[str, float], world_size: int
-    ) -> dict[str, int]:
+        self, matrices: Sequence[ParamSpec], costs: Sequence[float], order: Sequence[int],
+        world_size: int,
+    ) -> list[int]:
+        owner_of = [0] * len(matrices)
         heap = [(0.0, rank) for rank in range(world_size)]
-        nbytes = {s.fqn: s.nbytes for s in order}
+        if self.memory_cap_bytes is None:
+            for i in order:
+                load, rank = heap[0]
+                owner_of[i] = rank
+                heapq.heapreplace(heap, (load + costs[i], rank))
+            return owner_of
         owned_bytes = [0] * world_size
-        owners: dict[str, int] = {}
         cap = self.memory_cap_bytes
-        for spec in order:
+        for i in order:
+            nbytes = matrices[i].nbytes
             skipped = []
-            while True:
-                if not heap:
-                    raise ValueError(
-                        f"matrix {spec.fqn!r} (shape {spec.shape}, {spec.nbytes} bytes) fits on "
-                        f"no rank under memory_cap_bytes={cap}; raise the cap, add ranks, or "
-                        "leave this parameter to the tail with matrix_filter"
-                    )
-                load, rank = heapq.heappop(heap)
-                if cap is None or owned_bytes[rank] + nbytes[spec.fqn] <= cap:
-                    break
-                skipped.append((load, rank))
-            owners[spec.fqn] = rank
-            owned_bytes[rank] += nbytes[spec.fqn]
-            heapq.heappush(heap, (load + costs[spec.fqn], rank))
+            while heap and owned_bytes[heap[0][1]] + nbytes > cap:
+                skipped.append(heapq.heappop(heap))
+            if not heap:
+                spec = matrices[i]
+                raise ValueError(
+                    f"matrix {spec.fqn!r} (shape {spec.shape}, {nbytes} bytes) fits on no rank "
+                    f"under memory_cap_bytes={cap}; raise the cap, add ranks, or leave this "
+                    "parameter to the tail with matrix_filter"
+                )
+            load, rank = heap[0]
+            owner_of[i] = rank
+            owned_bytes[rank] += nbytes
+            heapq.heapreplace(heap, (load + costs[i], rank))
             for item in skipped:
                 heapq.heappush(heap, item)
-        return owners
+        return owner_of
 
 
 def make_plan(specs: Sequence[ParamSpec], world_size: int, planner: object = None) -> Plan:
