@@ -80,6 +80,8 @@ def fully_shard_matrix(
     )
     state.register_hooks()
     model.__dict__[_STATE_ATTR] = state
+    for fqn, note in plan.notes.items():
+        logger.warning("matrixfsdp: %s: %s", fqn, note)
     logger.info(
         "matrixfsdp: %d matrices in %d groups over %d ranks (plan %s, max/mean %.3f)",
         len(plan.matrices), len(matrix_groups), plan.world_size, plan.plan_hash()[:12],
@@ -251,9 +253,9 @@ def _build_groups(
     reduce_dtype = mp_policy.reduce_dtype if mp_policy is not None else None
     by_group: dict[str, list[MatrixParam]] = {}
     for site in sites:
-        if not site.is_matrix:
-            continue
         placement = plan[site.fqn]
+        if placement.role != "matrix":  # tail by the filter, or demoted by the planner
+            continue
         by_group.setdefault(site.group, []).append(
             MatrixParam(
                 fqn=site.fqn, module=site.module, name=site.name, param=site.param,

@@ -78,7 +78,22 @@ def test_memory_cap() -> None:
     plan = LPTPlanner(memory_cap_bytes=3 * mlp)(specs, 64)
     assert max(lo.nbytes for lo in plan.rank_loads()) <= 3 * mlp
     with pytest.raises(ValueError, match=r"feed_forward.*fits on no rank"):
-        LPTPlanner(memory_cap_bytes=mlp - 1)(specs, 64)
+        LPTPlanner(memory_cap_bytes=mlp - 1, oversized="error")(specs, 64)
+
+
+def test_oversized_matrices_fall_back_to_the_tail() -> None:
+    """Whole MLP matrices exceed the cap: they are demoted to the tail, visibly."""
+    specs = _llama3_8b()
+    mlp = 14336 * 4096 * 2
+    plan = LPTPlanner(memory_cap_bytes=mlp - 1)(specs, 64)
+    demoted = {p.fqn for p in plan.params if p.fqn in plan.notes}
+    assert len(demoted) == 96 and all("feed_forward" in f for f in demoted)
+    assert all(plan[f].role == "tail" and plan[f].owner_rank is None for f in demoted)
+    assert "oversized" in plan.notes["layers.0.feed_forward.w1.weight"]
+    assert len(plan.matrices) == 224 - 96
+    # Too few ranks for whole matrices under the cap: the overflow goes to the tail too.
+    tight = LPTPlanner(memory_cap_bytes=3 * mlp)(specs, 2)
+    assert tight.notes and max(lo.nbytes for lo in tight.rank_loads()) <= 3 * mlp
 
 
 def test_validation_errors() -> None:

@@ -48,10 +48,14 @@ def _grads_match(rank: int, world: int) -> None:
 
 def _sgd_parity(
     rank: int, world: int, *, steps: int = 5, micro: int = 1, reshard_after_forward: bool = True,
-    **model_kwargs,
+    planner: object = None, **model_kwargs,
 ) -> None:
     ref, model = _pair(**model_kwargs)
-    mf.fully_shard_matrix(model, reshard_after_forward=reshard_after_forward)
+    mf.fully_shard_matrix(model, reshard_after_forward=reshard_after_forward, planner=planner)
+    notes = mf.get_plan(model).notes
+    assert (planner is None) == (not notes), notes
+    for fqn in notes:  # demoted matrices are plain FSDP2 tail parameters
+        assert isinstance(dict(model.named_parameters())[fqn], torch.distributed.tensor.DTensor)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.2)
     opt = torch.optim.SGD(model.parameters(), lr=0.2)
     for step in range(steps):
@@ -252,6 +256,9 @@ def _world_runtime(rank: int, world: int) -> None:
         ),
         "sgd_two_micro_batches": functools.partial(_sgd_parity, rank, world, micro=2),
         "sgd_tied_tail_embedding": functools.partial(_sgd_parity, rank, world, steps=3, tie=True),
+        "sgd_oversized_to_tail": functools.partial(
+            _sgd_parity, rank, world, steps=3, planner=mf.LPTPlanner(memory_cap_bytes=2559)
+        ),
         "memory_and_pinning": functools.partial(_memory_and_pinning, rank, world),
         "collective_counts": functools.partial(_collective_counts, rank, world),
         "plan_identical": functools.partial(_plan_identical, rank, world),

@@ -21,18 +21,24 @@ class LPTPlanner:
 
     ``cost`` picks what is balanced: ``"bytes"`` (resident bytes, the default) or an optimizer's
     step FLOPs (``"muon"``, ``"shampoo"``, ``"soap"``, ``"okls"``, ``"emagram"``).
-    ``memory_cap_bytes`` bounds the matrix bytes any rank may own; a plan that cannot respect it
-    raises ``ValueError`` naming the matrix that did not fit.
+    ``memory_cap_bytes`` bounds the matrix bytes any rank may own. A matrix that fits on no rank
+    under the cap (larger than the cap itself, e.g. a 128k-vocabulary head routed to the matrix
+    optimizer, or too many whole matrices for too few ranks) is handled by ``oversized``:
+    ``"tail"`` (default) demotes it to the FSDP2 ``Shard(0)`` tail, where the tail optimizer
+    steps it, and records why in ``Plan.notes``; ``"error"`` raises ``ValueError`` naming it.
     """
 
     cost: Literal["bytes", "muon", "shampoo", "soap", "okls", "emagram"] = "bytes"
     memory_cap_bytes: int | None = None
+    oversized: Literal["tail", "error"] = "tail"
 
     def __post_init__(self) -> None:
         if self.cost not in COST_MODELS:
             raise ValueError(
                 f"LPTPlanner.cost must be one of {sorted(COST_MODELS)}, got {self.cost!r}"
             )
+        if self.oversized not in ("tail", "error"):
+            raise ValueError(f"LPTPlanner.oversized must be 'tail' or 'error', got {self.oversized!r}")
         if self.memory_cap_bytes is not None and self.memory_cap_bytes <= 0:
             raise ValueError(
                 f"LPTPlanner.memory_cap_bytes must be positive, got {self.memory_cap_bytes}"
@@ -56,16 +62,25 @@ class LPTPlanner:
         owner_of = self._assign(matrices, costs, order, world_size)
         owners = {s.fqn: owner_of[i] for i, s in enumerate(matrices)}
         cost_of = {s.fqn: costs[i] for i, s in enumerate(matrices)}
-        rows = tuple(
-            ParamPlacement(*s, owners.get(s.fqn), cost_of.get(s.fqn, 0.0)) for s in specs
-        )
-        return Plan(world_size=world_size, planner=self.name, params=rows)
+        notes = {
+            s.fqn: f"oversized: {s.nbytes} bytes fit on no rank under memory_cap_bytes="
+                   f"{self.memory_cap_bytes}; demoted to the FSDP2 tail (stepped by the tail optimizer)"
+            for s in matrices if owners[s.fqn] is None
+        }
+
+        def place(s: ParamSpec) -> ParamPlacement:
+            if s.fqn in notes:
+                return ParamPlacement(*s._replace(role="tail"))
+            return ParamPlacement(*s, owners.get(s.fqn), cost_of.get(s.fqn, 0.0))
+
+        rows = tuple(place(s) for s in specs)
+        return Plan(world_size=world_size, planner=self.name, params=rows, notes=notes)
 
     def _assign(
         self, matrices: Sequence[ParamSpec], costs: Sequence[float], order: Sequence[int],
         world_size: int,
-    ) -> list[int]:
-        owner_of = [0] * len(matrices)
+    ) -> list[int | None]:
+        owner_of: list[int | None] = [0] * len(matrices)
         heap = [(0.0, rank) for rank in range(world_size)]
         if self.memory_cap_bytes is None:
             for i in order:
@@ -81,12 +96,17 @@ class LPTPlanner:
             while heap and owned_bytes[heap[0][1]] + nbytes > cap:
                 skipped.append(heapq.heappop(heap))
             if not heap:
-                spec = matrices[i]
-                raise ValueError(
-                    f"matrix {spec.fqn!r} (shape {spec.shape}, {nbytes} bytes) fits on no rank "
-                    f"under memory_cap_bytes={cap}; raise the cap, add ranks, or leave this "
-                    "parameter to the tail with matrix_filter"
-                )
+                heap = skipped
+                heapq.heapify(heap)
+                if self.oversized == "error":
+                    spec = matrices[i]
+                    raise ValueError(
+                        f"matrix {spec.fqn!r} (shape {spec.shape}, {nbytes} bytes) fits on no "
+                        f"rank under memory_cap_bytes={cap}; raise the cap, add ranks, or use "
+                        "oversized='tail' to keep it in the FSDP2 tail"
+                    )
+                owner_of[i] = None
+                continue
             load, rank = heap[0]
             owner_of[i] = rank
             owned_bytes[rank] += nbytes

@@ -116,6 +116,7 @@ class Plan(BaseModel):
     world_size: int = Field(ge=1)
     planner: str = "lpt-bytes"
     params: tuple[ParamPlacement, ...]
+    notes: dict[str, str] = Field(default_factory=dict)  # fqn -> why the planner changed its role
 
     @model_validator(mode="after")
     def _consistent(self) -> Plan:
