@@ -13,6 +13,7 @@ import matrixfsdp as mf
 from matrixfsdp.optim import get_matrix_optimizer
 
 from .checks import (
+    FREE_RUNNING_KWARGS,
     assert_close_dicts,
     count_collectives,
     full_optimizer_state,
@@ -25,7 +26,6 @@ from .models import TinyTransformer, global_batch, lm_loss, local_batch
 MATRIX_OPTIMIZERS = ["muon", "shampoo", "soap", "okls", "emagram"]
 LR = {"muon": 0.02, "shampoo": 0.01, "soap": 0.01, "okls": 0.01, "emagram": 0.01}
 FREE_RUNNING_DTYPE = {"soap": torch.float64}
-FP32_KWARGS = {"muon": {"ns_dtype": "float32"}, "shampoo": {"eps": 1e-4}, "emagram": {"eps": 1e-4}}
 
 
 def _pair(dtype: torch.dtype = torch.float32) -> tuple[nn.Module, nn.Module]:
@@ -134,7 +134,7 @@ def _free_running(rank: int, world: int, name: str, steps: int = 10) -> None:
     ref, model = _pair(FREE_RUNNING_DTYPE.get(name, torch.float32))
     mf.fully_shard_matrix(model)
     matrix_fqns = {p.fqn for p in mf.get_plan(model).matrices}
-    kwargs = FP32_KWARGS.get(name, {})
+    kwargs = FREE_RUNNING_KWARGS.get(name, {})
     opt = _make_opt(model, name, **kwargs)
     stepper = ReferenceStepper(ref, matrix_fqns, name, LR[name], kwargs)
     for step in range(steps):
@@ -236,7 +236,7 @@ def _batched_equals_unbatched(rank: int, world: int, name: str) -> None:
         _, model = _pair()
         mf.fully_shard_matrix(model)
         models.append(model)
-        opts.append(_make_opt(model, name, batch_same_shape=batched, **FP32_KWARGS.get(name, {})))
+        opts.append(_make_opt(model, name, batch_same_shape=batched, **FREE_RUNNING_KWARGS.get(name, {})))
     for step in range(3):
         for model, opt in zip(models, opts, strict=True):
             lm_loss(model, local_batch(global_batch(step), rank, world)).backward()
