@@ -1,0 +1,243 @@
+"""The checkpoint's layout JSON: what was saved, at which world size, by whom, in which format.
+
+[Note: checkpoint layout]
+- ``matrixfsdp_layout.json`` sits beside DCP's ``.metadata`` and is written last (before the
+  ``COMPLETE`` marker) by the coordinator. It is plain JSON validated by ``CheckpointLayout``
+  (pydantic, unknown fields rejected); nothing in it is ever unpickled.
+- ``model`` lists every entry of the saving model's ``state_dict()`` once: FQN, global shape,
+  dtype, role (``"matrix"``, ``"tail"`` or ``"buffer"``) and, for matrices, the owner rank that
+  wrote it. ``plan`` is the owner plan at save time and ``plan_hash`` its digest.
+- ``optimizer`` records each param group's parameter FQNs and its JSON-encodable hyperparameters
+  (tuples, non-finite floats and 0-d tensors are tagged so they come back as they were). The
+  optimizer's *state tensors* live in the DCP data under ``optim.state.<fqn>.<key>``.
+- ``format_version`` is checked before anything else: a newer layout raises
+  ``UnsupportedFormatError`` instead of being half-understood.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, model_validator
+
+from ..planner import PLAN_FORMAT_VERSION, Plan
+from .errors import CorruptCheckpointError, UnsupportedFormatError
+
+__all__ = [
+    "COMPLETE_FILE",
+    "FORMAT_VERSION",
+    "LAYOUT_FILE",
+    "CheckpointLayout",
+    "CompleteMarker",
+    "GroupLayout",
+    "OptimizerLayout",
+    "TensorEntry",
+    "decode_hyperparams",
+    "dtype_name",
+    "encode_hyperparams",
+    "parse_layout",
+    "parse_marker",
+]
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+LAYOUT_FILE = "matrixfsdp_layout.json"
+COMPLETE_FILE = "COMPLETE"
+
+Role = Literal["matrix", "tail", "buffer"]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class TensorEntry(BaseModel):
+    """One entry of the saved model state dict."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    fqn: str
+    shape: tuple[int, ...]
+    dtype: str
+    role: Role
+    owner_rank: int | None = None
+
+
+class GroupLayout(BaseModel):
+    """One optimizer param group: its parameters (by FQN) and hyperparameters."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: str | None = None
+    optimizer: str | None = None
+    params: tuple[str, ...]
+    hyperparams: dict[str, JsonValue] = Field(default_factory=dict)
+
+
+class OptimizerLayout(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    cls: str
+    groups: tuple[GroupLayout, ...]
+
+
+class CheckpointLayout(BaseModel):
+    """Everything about a checkpoint that is not tensor data."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    format_version: int = FORMAT_VERSION
+    matrixfsdp_version: str
+    torch_version: str
+    step: int = Field(ge=0)
+    extra: JsonValue = None
+    world_size: int = Field(ge=1)
+    plan: Plan
+    plan_hash: str
+    model: tuple[TensorEntry, ...]
+    optimizer: OptimizerLayout | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> CheckpointLayout:
+        if self.plan.world_size != self.world_size:
+            raise ValueError(
+                f"plan.world_size={self.plan.world_size} differs from world_size={self.world_size}"
+            )
+        if self.plan.plan_hash() != self.plan_hash:
+            raise ValueError("plan_hash does not match the plan (the layout was edited)")
+        fqns = [e.fqn for e in self.model]
+        if len(set(fqns)) != len(fqns):
+            raise ValueError("model lists an FQN twice")
+        owners = {p.fqn: p.owner_rank for p in self.plan.matrices}
+        for e in self.model:
+            if e.role == "matrix" and owners.get(e.fqn, -1) != e.owner_rank:
+                raise ValueError(f"matrix {e.fqn!r}: owner_rank disagrees with the plan")
+        return self
+
+    def entries(self) -> dict[str, TensorEntry]:
+        return {e.fqn: e for e in self.model}
+
+
+class CompleteMarker(BaseModel):
+    """Content of the ``COMPLETE`` file, written last: enough for ``latest()``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    format_version: int = FORMAT_VERSION
+    step: int = Field(ge=0)
+
+
+# -- parsing ---------------------------------------------------------------------------------------
+def parse_layout(text: str | bytes, path: Path) -> CheckpointLayout:
+    """Validate a layout JSON, checking the format versions before the schema."""
+    try:
+        raw = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CorruptCheckpointError(f"{path}: the layout is not valid JSON ({exc})") from exc
+    if not isinstance(raw, dict):
+        raise CorruptCheckpointError(f"{path}: the layout must be a JSON object")
+    version = raw.get("format_version")
+    if version != FORMAT_VERSION:
+        raise UnsupportedFormatError(
+            f"{path}: layout format_version {version!r} is not supported; this matrixfsdp "
+            f"reads format_version {FORMAT_VERSION}. Load it with the matrixfsdp release that "
+            "wrote it (and export_full it), or upgrade matrixfsdp"
+        )
+    plan = raw.get("plan")
+    plan_version = plan.get("format_version") if isinstance(plan, dict) else None
+    if plan_version not in (None, PLAN_FORMAT_VERSION):
+        raise UnsupportedFormatError(
+            f"{path}: plan format_version {plan_version!r} is not supported (this matrixfsdp "
+            f"reads plan format_version {PLAN_FORMAT_VERSION})"
+        )
+    try:
+        return CheckpointLayout.model_validate(raw)
+    except ValidationError as exc:
+        raise CorruptCheckpointError(f"{path}: the layout does not validate:\n{exc}") from exc
+
+
+def parse_marker(text: str | bytes) -> CompleteMarker | None:
+    """The ``COMPLETE`` marker, or None when it is unreadable or of another format version."""
+    try:
+        marker = CompleteMarker.model_validate_json(text)
+    except ValidationError:
+        return None
+    return marker if marker.format_version == FORMAT_VERSION else None
+
+
+# -- hyperparameters -------------------------------------------------------------------------------
+class _Skip:
+    """Marks a value JSON cannot carry; its key is left out of the layout."""
+
+
+_SKIP = _Skip()
+
+
+def _encode(value: Any) -> Any:
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else {"__float__": repr(value)}
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return {"__tensor__": value.item(), "dtype": dtype_name(value.dtype),
+                "shape": list(value.shape)}
+    if isinstance(value, (list, tuple)):
+        items = [_encode(v) for v in value]
+        if any(i is _SKIP for i in items):
+            return _SKIP
+        return {"__tuple__": items} if isinstance(value, tuple) else items
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        encoded = {k: _encode(v) for k, v in value.items()}
+        return _SKIP if any(v is _SKIP for v in encoded.values()) else encoded
+    return _SKIP
+
+
+def encode_hyperparams(group: dict[str, Any]) -> dict[str, Any]:
+    """A param group's hyperparameters as JSON values (keys JSON cannot carry are dropped)."""
+    out: dict[str, Any] = {}
+    for key, value in group.items():
+        if key == "params":
+            continue
+        encoded = _encode(value)
+        if encoded is _SKIP:
+            logger.warning(
+                "matrixfsdp.checkpoint: optimizer hyperparameter %r (%s) is not JSON-encodable; "
+                "it is not saved and keeps its current value on load", key, type(value).__name__,
+            )
+            continue
+        out[key] = encoded
+    return out
+
+
+def _decode(value: Any, like: Any) -> Any:
+    if isinstance(value, list):
+        return [_decode(v, None) for v in value]
+    if not isinstance(value, dict):
+        return value
+    if set(value) == {"__tuple__"}:
+        return tuple(_decode(v, None) for v in value["__tuple__"])
+    if set(value) == {"__float__"}:
+        return float(value["__float__"])
+    if set(value) == {"__tensor__", "dtype", "shape"}:
+        device = like.device if isinstance(like, torch.Tensor) else "cpu"
+        dtype = getattr(torch, str(value["dtype"]), None)
+        if not isinstance(dtype, torch.dtype):
+            raise CorruptCheckpointError(f"hyperparameter tensor has unknown dtype {value['dtype']!r}")
+        return torch.tensor(value["__tensor__"], dtype=dtype, device=device).reshape(
+            value["shape"]
+        )
+    like_dict = like if isinstance(like, dict) else {}
+    return {k: _decode(v, like_dict.get(k)) for k, v in value.items()}
+
+
+def decode_hyperparams(saved: dict[str, Any], group: dict[str, Any]) -> None:
+    """Write saved hyperparameters into ``group`` (in place), restoring tuples and tensors."""
+    for key, value in saved.items():
+        if key != "params":
+            group[key] = _decode(value, group.get(key))
