@@ -1,0 +1,1 @@
+"""Side-by-side benchmarks of matrixfsdp against its baselines (``python -m benchmarks.run``)."""

@@ -1,0 +1,169 @@
+"""Turn per-rank raw results into per-strategy figures, checks and target verdicts."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+import torch
+
+from .config import BenchConfig
+from .costmodel import fit_alpha_beta, predict_measured
+from .measure import Collective, summarize
+from .model import GPT
+from .schedule import Setup, per_rank_recv, resident_model, schedule
+from .strategies import owner_plan
+
+__all__ = ["aggregate_world", "targets"]
+
+PHASES = ("forward", "backward", "optimizer")
+_TIMES = ("forward", "fwd_bwd", "optimizer", "fwd_bwd_cpu", "optimizer_cpu")
+
+
+def _times(rank_results: list[dict[str, Any]], name: str) -> dict[str, float]:
+    """Per measured step the slowest rank, then the median over steps."""
+    per_rank = [[rec for rec in r["records"][name] if rec["measured"]] for r in rank_results]
+    out = {}
+    for key in _TIMES:
+        out[key] = statistics.median(max(recs[i][key] for recs in per_rank)
+                                     for i in range(len(per_rank[0])))
+    out["total"] = statistics.median(
+        max(recs[i]["fwd_bwd"] + recs[i]["optimizer"] for recs in per_rank)
+        for i in range(len(per_rank[0])))
+    out["steps"] = len(per_rank[0])
+    return out
+
+
+def _losses(rank_results: list[dict[str, Any]], name: str) -> list[float]:
+    """Global-batch loss per step (warm-up included): the mean of equal-sized local losses."""
+    per_rank = [[rec["loss"] for rec in r["records"][name]] for r in rank_results]
+    return [statistics.fmean(step) for step in zip(*per_rank, strict=True)]
+
+
+def _comm(rank_results: list[dict[str, Any]], name: str) -> dict[str, dict[str, int]]:
+    sums = [summarize([Collective(**c) for c in r["counted"][name]["collectives"]])
+            for r in rank_results]
+    return {ph: {k: max(s.get(ph, {}).get(k, 0) for s in sums) for k in ("calls", "recv", "sent")}
+            for ph in PHASES}
+
+
+def _resident(rank_results: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    per_rank = [r["counted"][name]["resident"] for r in rank_results]
+    worst = max(per_rank, key=lambda d: sum(d.values()))
+    return {**worst, "total": sum(worst.values()),
+            "per_rank_total": [sum(d.values()) for d in per_rank]}
+
+
+def _schedule_check(cfg: BenchConfig, comm: dict[str, Any], resident: dict[str, Any]) -> dict:
+    """The analytic schedule / resident model against the counted figures, per strategy."""
+    torch.manual_seed(cfg.seed)
+    setup = Setup(owner_plan(GPT(cfg.model), cfg.world_size, cfg.optim.name), cfg.optim.name)
+    out = {}
+    for name in comm:
+        ops = schedule(setup, name)
+        modeled = {}
+        for ph in PHASES:
+            recv = [0] * cfg.world_size
+            for op in (o for o in ops if o.phase == ph):
+                recv = [a + b for a, b in zip(recv, per_rank_recv(op, cfg.world_size), strict=True)]
+            modeled[ph] = {"calls": sum(o.phase == ph for o in ops), "recv": max(recv)}
+        res = max(sum(d.values()) for d in resident_model(setup, name))
+        out[name] = {
+            "match": all(modeled[ph]["calls"] == comm[name][ph]["calls"]
+                         and modeled[ph]["recv"] == comm[name][ph]["recv"] for ph in PHASES),
+            "modeled": modeled,
+            "resident_modeled": res,
+            "resident_rel_err": abs(res - resident[name]["total"]) / max(resident[name]["total"], 1),
+        }
+    return out
+
+
+def _references(cfg: BenchConfig, timing: list[dict[str, Any]]) -> tuple[dict[str, Any], float]:
+    """Median single-process references (rank 0, interleaved) and the contention factor."""
+    refs = [r["reference"] for r in timing[0]["references"]]
+    out: dict[str, Any] = {k: statistics.median(r[k] for r in refs)
+                           for k in ("fwd_bwd", "matrix_step", "tail_adamw", "optimizer_cpu")}
+    out["per_matrix"] = {f: statistics.median(r["per_matrix"][f] for r in refs)
+                         for f in refs[0]["per_matrix"]}
+    torch.manual_seed(cfg.seed)
+    model = GPT(cfg.model)
+    out["params_all"] = sum(p.numel() for p in model.parameters())
+    out["params_tail"] = out["params_all"] - sum(
+        p.numel() for f, p in model.named_parameters() if f in out["per_matrix"])
+    rounds = zip(*(r["references"] for r in timing), strict=True)
+    share = statistics.median(max(x["probe_all"] for x in rnd) / rnd[0]["probe_alone"]
+                              for rnd in rounds)
+    return out, share
+
+
+def aggregate_world(cfg: BenchConfig, timing: list[dict[str, Any]],
+                    memory: dict[str, list[dict[str, Any]]] | None) -> dict[str, Any]:
+    """Everything the report needs about one (optimizer, world size) run."""
+    names = list(timing[0]["records"])
+    strategies: dict[str, Any] = {}
+    for name in names:
+        strategies[name] = {"times": _times(timing, name), "losses": _losses(timing, name),
+                            "comm": _comm(timing, name), "resident": _resident(timing, name)}
+        if memory and name in memory:
+            ranks = memory[name]
+            strategies[name]["peak_rss"] = max(r["peak_rss"] for r in ranks)
+            strategies[name]["peak_rss_delta"] = max(r["peak_rss"] - r["rss_before"] for r in ranks)
+        if "library_counter" in timing[0]["counted"][name]:
+            strategies[name]["library_counter"] = timing[0]["counted"][name]["library_counter"]
+    reference = strategies["ddp"]["losses"] if "ddp" in strategies else None
+    loss_diff = {}
+    for name, s in strategies.items():
+        if reference is not None and name != "fsdp2_adamw":
+            loss_diff[name] = max(abs(a - b) for a, b in zip(s["losses"], reference, strict=True))
+    fits = fit_alpha_beta(r["comm_samples"] for r in timing)
+    ref, share = _references(cfg, timing)
+    predicted = predict_measured(timing, ref, cfg.world_size, share, fits)
+    return {
+        "world_size": cfg.world_size, "strategies": strategies, "loss_diff_vs_ddp": loss_diff,
+        "alpha_beta": fits, "predicted": predicted, "reference": ref, "contention": share,
+        "ideal_optimizer_s": (ref["matrix_step"] + ref["tail_adamw"]) / cfg.world_size,
+        "ideal_optimizer_cpu_s": ref["optimizer_cpu"] / cfg.world_size,
+        "schedule_check": _schedule_check(cfg, {n: s["comm"] for n, s in strategies.items()},
+                                          {n: s["resident"] for n, s in strategies.items()}),
+    }
+
+
+def targets(run: dict[str, Any]) -> list[dict[str, Any]]:
+    """The issue's targets for one (optimizer, world) run: value, threshold, met."""
+    s = run["strategies"]
+    out: list[dict[str, Any]] = []
+
+    def add(name: str, value: float | None, threshold: str, met: bool | None) -> None:
+        out.append({"target": name, "value": value, "threshold": threshold, "met": met})
+
+    if "matrixfsdp" not in s:
+        return out
+    mf = s["matrixfsdp"]
+    opt, opt_cpu = mf["times"]["optimizer"], mf["times"]["optimizer_cpu"]
+    if "fsdp2_recon" in s:
+        v = s["fsdp2_recon"]["times"]["optimizer"] / opt
+        add("optimizer step: FSDP2 reconstruction / matrixfsdp", v, ">= 4", v >= 4)
+    ideal = run["ideal_optimizer_s"]
+    add("optimizer step / ideal (single-process step ÷ N), wall", opt / ideal, "<= 1.2",
+        opt / ideal <= 1.2)
+    ideal_cpu = run["ideal_optimizer_cpu_s"]
+    add("optimizer step / ideal, process CPU time", opt_cpu / ideal_cpu, "<= 1.2",
+        opt_cpu / ideal_cpu <= 1.2)
+    c = mf["comm"]["optimizer"]
+    add("optimizer-step collective bytes (matrices and tail)", c["recv"] + c["sent"], "== 0",
+        c["recv"] + c["sent"] == 0 and c["calls"] == 0)
+    if "fsdp2_adamw" in s:
+        v = mf["times"]["total"] / s["fsdp2_adamw"]["times"]["total"]
+        add("total step / FSDP2 + AdamW", v, "<= 1.15", v <= 1.15)
+    if "fsdp2_recon" in s:
+        v = mf["resident"]["total"] / s["fsdp2_recon"]["resident"]["total"]
+        add("resident bytes / FSDP2 (same optimizer state)", v, "<= 1.05", v <= 1.05)
+    if "zero1_owner" in s:
+        world = run["world_size"]
+        v = s["zero1_owner"]["resident"]["total"] / mf["resident"]["total"]
+        add("ZeRO-1 owner resident / matrixfsdp (params+grads+state) ÷ N", v / world, ">= 0.8",
+            v / world >= 0.8)
+        v = s["zero1_owner"]["resident"]["params"] / mf["resident"]["params"]
+        add("ZeRO-1 owner resident / matrixfsdp (parameters only) ÷ N", v / world, ">= 0.8",
+            v / world >= 0.8)
+    return out

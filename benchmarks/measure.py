@@ -1,0 +1,222 @@
+"""Counting collectives (torch.profiler backend events), timing them, and reading process RSS.
+
+[Note: what a collective "costs" in the tables]
+Every backend collective is counted from the profiler's ``gloo:*`` / ``nccl:*`` events (FSDP2's,
+DTensor's and the library's alike), with the input shape and dtype the backend recorded. Bytes are
+*received from peers by one rank*, under each operation's semantics with direct exchange
+(N = group size, s = this rank's input bytes, n = the whole buffer):
+
+- all_gather: (N-1)·s          - all_reduce: 2(N-1)/N·n (ring; gloo runs FSDP2's
+- reduce_scatter: (N-1)/N·n      reduce-scatter as an all-reduce of the whole buffer)
+- all_to_all: this rank's output bytes (every all-to-all here sends nothing to itself; the output
+  size comes from the matching ``c10d::alltoall_base_`` event)
+- broadcast: n on non-roots, 0 on the root;  reduce: (N-1)·n on the root, 0 elsewhere (the root
+  is recorded by a wrapper around ``torch.distributed.broadcast``/``reduce`` while counting)
+Tables show the busiest rank. ``size`` is the op's logical size (all_gather: the output; all_to_all:
+max(in, out); the rest: n), the x of the α–β fit in ``costmodel``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
+
+__all__ = [
+    "Collective",
+    "count_collectives",
+    "peak_rss_bytes",
+    "reset_peak_rss",
+    "rss_bytes",
+    "summarize",
+    "time_collectives",
+]
+
+_ITEMSIZE = {
+    "float": 4, "double": 8, "c10::Half": 2, "c10::BFloat16": 2, "long": 8, "int": 4,
+    "short": 2, "unsigned char": 1, "signed char": 1, "bool": 1,
+}
+_BACKENDS = ("gloo:", "nccl:")
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One backend collective as one rank saw it."""
+
+    phase: str
+    op: str
+    size: int
+    recv: int
+    sent: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _nbytes(shapes: list[Any], dtypes: list[str]) -> int:
+    total = 0
+    for shape, dtype in zip(shapes, dtypes, strict=False):
+        if isinstance(shape, list) and shape and all(isinstance(d, int) for d in shape):
+            numel = 1
+            for d in shape:
+                numel *= d
+            total += numel * _ITEMSIZE.get(dtype, 4)
+    return total
+
+
+@contextlib.contextmanager
+def _rooted_log() -> Iterator[list[tuple[str, bool]]]:
+    """Record (op, am_root) of every ``dist.broadcast``/``dist.reduce`` call, in call order."""
+    log: list[tuple[str, bool]] = []
+    originals = {"broadcast": dist.broadcast, "reduce": dist.reduce}
+
+    def wrap(op: str, fn: Callable[..., Any], key: str) -> Callable[..., Any]:
+        def wrapper(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            root = kwargs.get(key, args[0] if args else None)
+            log.append((op, root == dist.get_rank()))
+            return fn(tensor, *args, **kwargs)
+
+        return wrapper
+
+    dist.broadcast = wrap("broadcast", originals["broadcast"], "src")
+    dist.reduce = wrap("reduce", originals["reduce"], "dst")
+    try:
+        yield log
+    finally:
+        dist.broadcast, dist.reduce = originals["broadcast"], originals["reduce"]
+
+
+def count_collectives(phase: str, fn: Callable[[], Any], world: int) -> tuple[Any, list[Collective]]:
+    """Run ``fn()`` under the profiler; return its result and every backend collective it issued."""
+    with _rooted_log() as roots, profile(activities=[ProfilerActivity.CPU],
+                                         record_shapes=True) as prof:
+        result = fn()
+    events = sorted(prof.profiler.kineto_results.events(), key=lambda e: e.start_ns())
+    a2a_out = [_nbytes(e.shapes()[:1], e.dtypes()[:1]) for e in events
+               if e.name() == "c10d::alltoall_base_"]
+    backend = [e for e in events if e.name().startswith(_BACKENDS)]
+    rooted = iter(roots)
+    out = []
+    for e in backend:
+        op = e.name().split(":", 1)[1]
+        s = _nbytes(e.shapes(), e.dtypes())
+        if op == "all_to_all":
+            o = a2a_out.pop(0) if a2a_out else s
+            out.append(Collective(phase, op, max(s, o), o, s))
+        elif op in ("broadcast", "reduce"):
+            _, am_root = next(rooted, (op, False))
+            many = (world - 1) * s
+            recv = (many if am_root else 0) if op == "reduce" else (0 if am_root else s)
+            sent = (s if not am_root else 0) if op == "reduce" else (many if am_root else 0)
+            out.append(Collective(phase, op, s, recv, sent))
+        else:
+            out.append(_symmetric(phase, op, s, world))
+    return result, out
+
+
+def _symmetric(phase: str, op: str, s: int, world: int) -> Collective:
+    if op == "all_gather":
+        return Collective(phase, op, world * s, (world - 1) * s, (world - 1) * s)
+    if op == "all_reduce":
+        v = 2 * (world - 1) * s // world
+        return Collective(phase, op, s, v, v)
+    if op == "reduce_scatter":
+        v = (world - 1) * s // world
+        return Collective(phase, op, s, v, v)
+    return Collective(phase, op, s, s, s)
+
+
+def summarize(records: list[Collective]) -> dict[str, dict[str, int]]:
+    """Calls and bytes per phase: ``{phase: {"calls", "recv", "sent"}}``."""
+    out: dict[str, dict[str, int]] = {}
+    for r in records:
+        slot = out.setdefault(r.phase, {"calls": 0, "recv": 0, "sent": 0})
+        slot["calls"] += 1
+        slot["recv"] += r.recv
+        slot["sent"] += r.sent
+    return out
+
+
+def time_collectives(sizes: tuple[int, ...], repeats: int) -> list[dict[str, Any]]:
+    """Wall time of each collective kind at each size (bytes of fp32 data), on every rank."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    samples = []
+    for nbytes in sizes:
+        n = max(world, nbytes // 4 // world * world)
+        cases: dict[str, tuple[Callable[[], Any], int]] = {
+            "all_gather": (_ag(n, world), n * 4),
+            "all_reduce": (lambda n=n: dist.all_reduce(torch.ones(n)), n * 4),
+            "all_to_all": (_a2a(n, world, rank), n * 4 * (world - 1) // world),
+            "broadcast": (lambda n=n: dist.broadcast(torch.ones(n), src=0), n * 4),
+            "reduce": (lambda n=n: dist.reduce(torch.ones(n), dst=0), n * 4),
+        }
+        for op, (fn, size) in cases.items():
+            times = []
+            for _ in range(repeats + 1):
+                dist.barrier()
+                start = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - start)
+            samples.append({"op": op, "size": size, "seconds": statistics.median(times[1:])})
+    return samples
+
+
+def _ag(n: int, world: int) -> Callable[[], Any]:
+    def run() -> None:
+        out = torch.empty(n)
+        dist.all_gather_into_tensor(out, torch.ones(n // world))
+
+    return run
+
+
+def _a2a(n: int, world: int, rank: int) -> Callable[[], Any]:
+    """Even all-to-all that, like the strategies', sends nothing to the rank itself."""
+    part = n // world
+    splits = [0 if r == rank else part for r in range(world)]
+
+    def run() -> None:
+        out = torch.empty(part * (world - 1))
+        dist.all_to_all_single(out, torch.ones(part * (world - 1)), splits, splits)
+
+    return run
+
+
+# -- process memory ---------------------------------------------------------------------------------
+def _status_bytes(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def rss_bytes() -> int:
+    """Current resident set size (``VmRSS``; 0 where /proc is unavailable)."""
+    return _status_bytes("VmRSS") or 0
+
+
+def reset_peak_rss() -> bool:
+    """Reset the kernel's RSS high-water mark to the current RSS (Linux ``clear_refs`` 5)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_bytes() -> int:
+    """RSS high-water mark (``VmHWM``; else ``getrusage`` ``ru_maxrss``)."""
+    hwm = _status_bytes("VmHWM")
+    return hwm if hwm is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

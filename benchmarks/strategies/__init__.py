@@ -1,0 +1,36 @@
+"""The strategies compared by the benchmark, by name (see ``benchmarks.config.STRATEGIES``)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from .base import Strategy, StrategyContext, owner_plan, planner_for, tensor_bytes
+from .replicated import DDPStrategy, Zero1OwnerStrategy
+from .sharded import (
+    FSDP2AdamWStrategy,
+    GatherOnceStrategy,
+    MatrixFSDPP2PStrategy,
+    MatrixFSDPStrategy,
+    ReconstructionStrategy,
+)
+
+__all__ = [
+    "STRATEGY_CLASSES",
+    "Strategy",
+    "StrategyContext",
+    "build_strategy",
+    "owner_plan",
+    "planner_for",
+    "tensor_bytes",
+]
+
+STRATEGY_CLASSES: dict[str, type[Strategy]] = {
+    cls.name: cls
+    for cls in (DDPStrategy, ReconstructionStrategy, GatherOnceStrategy, Zero1OwnerStrategy,
+                MatrixFSDPStrategy, MatrixFSDPP2PStrategy, FSDP2AdamWStrategy)
+}
+
+
+def build_strategy(name: str, model: nn.Module, ctx: StrategyContext) -> Strategy:
+    """Wrap the plain ``model`` (a private copy) as strategy ``name``."""
+    return STRATEGY_CLASSES[name](model, ctx)
