@@ -41,7 +41,7 @@ def full_values(model: nn.Module, attr: str = "data") -> dict[str, torch.Tensor 
             dist.broadcast(buf, src=mp.owner_rank)
             out[fqn] = buf
         elif isinstance(value, DTensor):
-            out[fqn] = value.full_tensor()
+            out[fqn] = value.full_tensor().clone()  # a 1-rank full_tensor() aliases the shard
         else:
             out[fqn] = None if value is None else value.detach().clone()
     return out
@@ -85,7 +85,7 @@ def full_optimizer_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[s
             out[fqn] = box[0]
         else:
             out[fqn] = {
-                k: (v.full_tensor() if isinstance(v, DTensor) else v.detach().clone())
+                k: (v.full_tensor().clone() if isinstance(v, DTensor) else v.detach().clone())
                 for k, v in entry.items()
             }
     return out

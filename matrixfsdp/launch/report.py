@@ -47,8 +47,9 @@ def summarize(metrics: list[dict[str, Any]], cfg: TrainConfig, unigram: float, p
         f"median step {med['time_step'] * 1e3:.1f} ms = forward {med['time_forward'] * 1e3:.1f} + "
         f"backward {med['time_backward'] * 1e3:.1f} + optimizer {med['time_optimizer'] * 1e3:.1f} ms; "
         f"{med['tokens_per_s']:.0f} tokens/s",
-        "matrix collectives per step (bytes sent by rank 0): "
-        + ", ".join(f"{phase} {n}" for phase, n in comm.items() if phase != "other"),
+        f"matrix collectives per step, bytes sent by rank 0: forward {comm['forward']}, "
+        f"backward {comm['backward']}, optimizer {comm['optimizer']}"
+        + (" (the clip-norm scalar only)" if cfg.grad_clip else ""),
         f"peak memory rank 0: {metrics[-1]['peak_rss_mib']:.0f} MiB",
     ]
     return "\n".join(lines)

@@ -109,7 +109,7 @@ def _resume(ctx: RunContext) -> int:
     factor = _lr_lambda(ctx.cfg)(step)
     for group in ctx.optimizer.param_groups:
         group["lr"] = group["initial_lr"] * factor
-    ctx.metrics = [m for m in _read_metrics(ctx.out / "metrics.jsonl") if m["step"] < step]
+    ctx.metrics = [m for m in _read_metrics(ctx.out / "metrics.jsonl") if m["step"] <= step]
     if ctx.rank == 0:
         logger.info("resumed from %s at step %d", path, step)
     return step
@@ -214,6 +214,7 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> list[dict[str, Any]]:
         from .report import write_report
 
         write_report(ctx.out, ctx.metrics, cfg, ctx.corpus.unigram_loss(), mf.get_plan(ctx.model))
+    dist.barrier()  # leave together: a rank tearing down early can abort gloo peers
     return ctx.metrics
 
 
