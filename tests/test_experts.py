@@ -13,7 +13,13 @@ from torch import nn
 import matrixfsdp as mf
 from matrixfsdp.optim import get_matrix_optimizer
 
-from .checks import FREE_RUNNING_KWARGS, assert_close_dicts, full_values, reference_values
+from .checks import (
+    FREE_RUNNING_KWARGS,
+    assert_close_dicts,
+    full_optimizer_state,
+    full_values,
+    reference_values,
+)
 from .dist_utils import run_subtests, run_world
 from .models import VOCAB, global_batch, local_batch
 
@@ -63,11 +69,18 @@ def _pair(dtype: torch.dtype = torch.float32):
     return ref, copy.deepcopy(ref)
 
 
-def _sgd(rank: int, world: int) -> None:
-    ref, model = _pair()
-    mf.fully_shard_matrix(model, matrix_filter=_stacks_and_gates)
+def _wrap(model: nn.Module, stacks: str) -> None:
+    mf.fully_shard_matrix(model, matrix_filter=_stacks_and_gates,
+                          planner=mf.LPTPlanner(stacks=stacks))
     plan = mf.get_plan(model)
-    assert plan["layers.0.w_in"].role == "matrix" and plan["layers.0.w_in"].shape == (4, 16, 24)
+    role = "sharded_stack" if stacks == "slices" and plan.world_size > 1 else "matrix"
+    assert plan["layers.0.w_in"].role == role and plan["layers.0.w_in"].shape == (4, 16, 24)
+    assert plan["layers.0.gate.weight"].role == "matrix"
+
+
+def _sgd(rank: int, world: int, stacks: str) -> None:
+    ref, model = _pair()
+    _wrap(model, stacks)
     opts = [torch.optim.SGD(m.parameters(), lr=0.3) for m in (ref, model)]
     for step in range(3):
         tokens = global_batch(step)
@@ -81,7 +94,7 @@ def _sgd(rank: int, world: int) -> None:
     assert_close_dicts(full_values(model), reference_values(ref), 1e-5, "param")
 
 
-def _optimizer(rank: int, world: int, name: str) -> None:
+def _optimizer(rank: int, world: int, name: str, stacks: str) -> None:
     """An owned stack is stepped exactly as one process steps the whole (E, m, n) tensor.
 
     That a (E, m, n) step equals E per-slice steps is tested on the pure functions
@@ -90,7 +103,7 @@ def _optimizer(rank: int, world: int, name: str) -> None:
     across world sizes picks different bases (see test_optim_dist.py).
     """
     ref, model = _pair(torch.float64 if name == "soap" else torch.float32)
-    mf.fully_shard_matrix(model, matrix_filter=_stacks_and_gates)
+    _wrap(model, stacks)
     kwargs = FREE_RUNNING_KWARGS.get(name, {})
     opt = mf.MatrixOptimizer(model, name, lr=0.01, tail_lr=1e-2, batch_same_shape=False, **kwargs)
     spec = get_matrix_optimizer(name)
@@ -113,15 +126,55 @@ def _optimizer(rank: int, world: int, name: str) -> None:
             o.zero_grad()
         ref.zero_grad()
     assert_close_dicts(full_values(model), reference_values(ref), 1e-5, f"{name} stacks")
+    if stacks == "slices" and world > 1:  # state of a sliced stack: DTensors, experts local
+        w_in = dict(model.named_parameters())["layers.0.w_in"]
+        local_experts = w_in.to_local().shape[0]
+        for value in opt.state.get(w_in, {}).values():
+            if value.ndim:
+                assert value.shape[0] == 4 and value.to_local().shape[0] == local_experts
+
+
+def _checkpoint_reshards_slices(rank: int, world: int, root: str, phase: str) -> None:
+    """Save sliced stacks + OKLS state at one world size, load at another: values survive."""
+    torch.manual_seed(1)
+    model = TinyMoE()
+    _wrap(model, "slices")
+    opt = mf.MatrixOptimizer(model, "okls", lr=0.01, tail_lr=1e-2)
+    if phase == "save":
+        for step in range(2):
+            _loss(model, local_batch(global_batch(step), rank, world)).backward()
+            opt.step()
+            opt.zero_grad()
+        mf.checkpoint.save(f"{root}/ckpt", model, opt, step=2)
+        saved = {"params": full_values(model), "state": full_optimizer_state(model, opt)}
+        if rank == 0:
+            torch.save(saved, f"{root}/saved.pt")
+        return
+    mf.checkpoint.load(f"{root}/ckpt", model, opt)
+    saved = torch.load(f"{root}/saved.pt", weights_only=True)
+    assert_close_dicts(full_values(model), saved["params"], 0.0, "loaded params")
+    state = full_optimizer_state(model, opt)
+    for fqn in ("layers.0.w_in", "layers.2.w_out"):
+        for key, value in saved["state"][fqn].items():
+            assert torch.equal(state[fqn][key], value), (fqn, key)
 
 
 def _world(rank: int, world: int) -> None:
-    subtests = {"sgd": functools.partial(_sgd, rank, world)}
-    for name in ("muon", "okls", "shampoo", "soap", "emagram"):
-        subtests[f"optimizer_{name}"] = functools.partial(_optimizer, rank, world, name)
+    subtests = {}
+    for stacks in ("whole", "slices") if world > 1 else ("whole",):
+        subtests[f"sgd_{stacks}"] = functools.partial(_sgd, rank, world, stacks)
+        for name in ("muon", "okls", "shampoo", "soap", "emagram"):
+            subtests[f"optimizer_{name}_{stacks}"] = functools.partial(
+                _optimizer, rank, world, name, stacks
+            )
     run_subtests(rank, subtests)
 
 
 @pytest.mark.parametrize("world", [1, 3])
 def test_expert_stacks(world: int) -> None:
     run_world(world, _world)
+
+
+def test_sliced_stacks_checkpoint_across_world_sizes(tmp_path) -> None:
+    run_world(3, _checkpoint_reshards_slices, str(tmp_path), "save")
+    run_world(2, _checkpoint_reshards_slices, str(tmp_path), "load")

@@ -22,6 +22,7 @@ from torch.profiler import record_function
 
 from ..api import get_state
 from ..collectives import Phase, comm_phase
+from .owner_step import OwnedMatrix, batch_owned, init_owned_state, local, step_owned
 from .registry import MatrixOptimizerSpec, get_matrix_optimizer
 
 __all__ = ["MatrixOptimizer", "state_bytes"]
@@ -65,12 +66,20 @@ class MatrixOptimizer(torch.optim.Optimizer):
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise ValueError(f"MatrixOptimizer.{field} must be a finite number >= 0, got {value!r}")
         runtime = get_state(model)
+        named = dict(model.named_parameters())
         matrices = [mp.sharded for mp in runtime.params.values()]
+        matrices += [named[p.fqn] for p in runtime.plan.sharded_stacks]
         matrix_ids = {id(p) for p in matrices}
         tail = [p for p in model.parameters() if id(p) not in matrix_ids]
         self._spec, self._matrix_cls, matrix_group = _matrix_group(
             optimizer, matrices, lr, weight_decay, optimizer_kwargs
         )
+        if self._matrix_cls is not None and runtime.plan.sharded_stacks:
+            raise NotImplementedError(
+                f"a torch.optim class cannot step the expert slices of sharded stacks "
+                f"{[p.fqn for p in runtime.plan.sharded_stacks]}; register a step function "
+                "(register_matrix_optimizer) or wrap with planner=LPTPlanner(stacks='whole')"
+            )
         self._tail_inner = _tail_inner(tail_optimizer, tail, tail_lr, tail_weight_decay,
                                        tail_optimizer_kwargs or {})
         groups = [matrix_group]
@@ -113,7 +122,10 @@ class MatrixOptimizer(torch.optim.Optimizer):
         return loss
 
     def _step_matrices(self, group: dict[str, Any]) -> None:
-        owned = [p for p in group["params"] if p.numel() > 0 and p.grad is not None]
+        # Sharded stacks are DTensors: every rank keeps (possibly empty) state for them, so all
+        # ranks agree on the state's keys; plain matrices have state on their owner only.
+        owned = [p for p in group["params"]
+                 if p.grad is not None and (isinstance(p, DTensor) or p.numel() > 0)]
         if not owned:
             return
         if self._matrix_cls is not None:
@@ -122,33 +134,25 @@ class MatrixOptimizer(torch.optim.Optimizer):
         spec = self._spec
         assert spec is not None  # one of the two is always set by _matrix_group
         config = self._config(group, spec)
+        hyper = {"lr": group["lr"], "weight_decay": group["weight_decay"],
+                 "initial_lr": group["initial_lr"], "config": config}
+        for batch in batch_owned(self._owned_items(owned, spec, config), self.batch_same_shape):
+            step_owned(spec, batch, hyper)
+
+    def _owned_items(
+        self, owned: list[nn.Parameter], spec: MatrixOptimizerSpec, config: Any
+    ) -> list[OwnedMatrix]:
+        items = []
         for p in owned:
             state = self.state[p]
             if not state:
-                state.update(spec.init_state_fn(p, config))
-                state["step"] = torch.zeros((), dtype=torch.float32)
+                state.update(init_owned_state(p, spec, config))
             state["step"] += 1
-        hyper = {"lr": group["lr"], "weight_decay": group["weight_decay"],
-                 "initial_lr": group["initial_lr"], "config": config}
-        for batch in self._batches(owned):
-            step = int(self.state[batch[0]]["step"].item())
-            if len(batch) == 1:
-                p = batch[0]
-                tensors = {k: v for k, v in self.state[p].items() if k != "step"}
-                spec.step_fn(p, p.grad, tensors, step=step, **hyper)
-            else:
-                _step_stacked(spec, batch, [self.state[p] for p in batch], step, hyper)
-
-    def _batches(self, owned: list[nn.Parameter]) -> list[list[nn.Parameter]]:
-        """Owned matrices grouped by (shape, dtype, step count), in plan order."""
-        if not self.batch_same_shape:
-            return [[p] for p in owned]
-        batches: dict[tuple, list[nn.Parameter]] = {}
-        for p in owned:
-            grad_dtype = p.grad.dtype if p.grad is not None else p.dtype
-            key = (tuple(p.shape), p.dtype, grad_dtype, p.device, float(self.state[p]["step"]))
-            batches.setdefault(key, []).append(p)
-        return list(batches.values())
+            if local(p).numel() == 0:
+                continue  # a rank with no experts of this stack: nothing to compute
+            tensors = {k: local(v) for k, v in state.items() if k != "step"}
+            items.append(OwnedMatrix(local(p), local(p.grad), tensors, int(state["step"].item())))
+        return items
 
     def _step_with_torch_class(self, group: dict[str, Any], owned: list[nn.Parameter]) -> None:
         cls = self._matrix_cls
@@ -191,28 +195,6 @@ def state_bytes(states: Iterable[Mapping[str, Any]]) -> int:
             if isinstance(value, torch.Tensor):
                 total += value.untyped_storage().nbytes() if value.numel() else 0
     return total
-
-
-def _step_stacked(
-    spec: MatrixOptimizerSpec,
-    params: list[nn.Parameter],
-    states: list[dict[str, Any]],
-    step: int,
-    hyper: dict[str, Any],
-) -> None:
-    """Run one step on ``(B, *shape)`` stacks and write parameters and state back.
-
-    Copies cost O(m·n + state) per matrix, small beside the O(d³) math they batch.
-    """
-    keys = [k for k in states[0] if k != "step"]
-    param = torch.stack([p.detach() for p in params])
-    grad = torch.stack([p.grad for p in params])
-    stacked = {k: torch.stack([s[k] for s in states]) for k in keys}
-    spec.step_fn(param, grad, stacked, step=step, **hyper)
-    for i, p in enumerate(params):
-        p.detach().copy_(param[i])
-        for k in keys:
-            states[i][k].copy_(stacked[k][i])
 
 
 def _freeze(value: Any) -> Any:

@@ -26,11 +26,17 @@ class LPTPlanner:
     optimizer, or too many whole matrices for too few ranks) is handled by ``oversized``:
     ``"tail"`` (default) demotes it to the FSDP2 ``Shard(0)`` tail, where the tail optimizer
     steps it, and records why in ``Plan.notes``; ``"error"`` raises ``ValueError`` naming it.
+
+    ``stacks`` decides 3-D expert stacks ``(E, m, n)``: ``"whole"`` gives each stack one owner;
+    ``"slices"`` keeps it in FSDP2 ``Shard(0)`` so every rank owns whole experts of it (see
+    [Note: plan vocabulary]); ``"auto"`` (default) slices a stack with at least as many experts
+    as ranks and keeps smaller stacks whole.
     """
 
     cost: Literal["bytes", "muon", "shampoo", "soap", "okls", "emagram"] = "bytes"
     memory_cap_bytes: int | None = None
     oversized: Literal["tail", "error"] = "tail"
+    stacks: Literal["auto", "whole", "slices"] = "auto"
 
     def __post_init__(self) -> None:
         if self.cost not in COST_MODELS:
@@ -39,6 +45,10 @@ class LPTPlanner:
             )
         if self.oversized not in ("tail", "error"):
             raise ValueError(f"LPTPlanner.oversized must be 'tail' or 'error', got {self.oversized!r}")
+        if self.stacks not in ("auto", "whole", "slices"):
+            raise ValueError(
+                f"LPTPlanner.stacks must be 'auto', 'whole' or 'slices', got {self.stacks!r}"
+            )
         if self.memory_cap_bytes is not None and self.memory_cap_bytes <= 0:
             raise ValueError(
                 f"LPTPlanner.memory_cap_bytes must be positive, got {self.memory_cap_bytes}"
@@ -54,27 +64,35 @@ class LPTPlanner:
     def __call__(self, specs: Sequence[ParamSpec], world_size: int) -> Plan:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
-        matrices = [s for s in specs if s.role == "matrix"]
+        sliced = {s.fqn for s in specs if s.role == "matrix" and self._slices(s, world_size)}
+        matrices = [s for s in specs if s.role == "matrix" and s.fqn not in sliced]
         costs = [self.item_cost(s) for s in matrices]
         # Largest first; ties broken by FQN (two stable sorts beat one tuple-keyed sort).
         order = sorted(range(len(matrices)), key=lambda i: matrices[i].fqn)
         order.sort(key=costs.__getitem__, reverse=True)
         owner_of = self._assign(matrices, costs, order, world_size)
-        owners = {s.fqn: owner_of[i] for i, s in enumerate(matrices)}
-        cost_of = {s.fqn: costs[i] for i, s in enumerate(matrices)}
+        placed = {s.fqn: (owner_of[i], costs[i]) for i, s in enumerate(matrices)}
         notes = {
             s.fqn: f"oversized: {s.nbytes} bytes fit on no rank under memory_cap_bytes="
                    f"{self.memory_cap_bytes}; demoted to the FSDP2 tail (stepped by the tail optimizer)"
-            for s in matrices if owners[s.fqn] is None
+            for s in matrices if placed[s.fqn][0] is None
         }
+        rows = []
+        for s in specs:
+            if s.fqn in placed:
+                owner, cost = placed[s.fqn]
+                rows.append(ParamPlacement(*s, owner, cost) if owner is not None
+                            else ParamPlacement(*s._replace(role="tail")))
+            elif s.fqn in sliced:
+                rows.append(ParamPlacement(*s._replace(role="sharded_stack"), None, self.item_cost(s)))
+            else:
+                rows.append(ParamPlacement(*s))
+        return Plan.trusted(world_size=world_size, planner=self.name, params=tuple(rows), notes=notes)
 
-        def place(s: ParamSpec) -> ParamPlacement:
-            if s.fqn in notes:
-                return ParamPlacement(*s._replace(role="tail"))
-            return ParamPlacement(*s, owners.get(s.fqn), cost_of.get(s.fqn, 0.0))
-
-        rows = tuple(place(s) for s in specs)
-        return Plan(world_size=world_size, planner=self.name, params=rows, notes=notes)
+    def _slices(self, spec: ParamSpec, world_size: int) -> bool:
+        if len(spec.shape) != 3 or world_size == 1 or self.stacks == "whole":
+            return False
+        return self.stacks == "slices" or spec.shape[0] >= world_size
 
     def _assign(
         self, matrices: Sequence[ParamSpec], costs: Sequence[float], order: Sequence[int],

@@ -4,6 +4,11 @@
 - *matrix*: a parameter of 2 dims (or a 3-D stack ``(E, m, n)`` of E matrices) that is held whole
   by exactly one data-parallel rank, its *owner* (``owner_rank``); every other rank holds an
   empty tensor for it.
+- *sharded stack*: a 3-D stack ``(E, m, n)`` of expert matrices left in FSDP2 ``Shard(0)``:
+  dim 0 is the expert dim, so each rank's shard is a set of whole experts and FSDP2's
+  reduce-scattered gradient is their exact average; each rank is the owner of its slices and the
+  matrix optimizer steps them locally (``owner_rank is None``). The planner chooses between a
+  whole-stack owner and slices (``LPTPlanner.stacks``).
 - *tail*: every other parameter; it stays in stock FSDP2 ``Shard(0)`` sharding
   (``owner_rank is None``).
 - *group*: the FQN of the module whose forward gathers the matrix (a communication unit, like an
@@ -30,11 +35,12 @@ __all__ = [
     "Plan",
     "RankLoad",
     "dtype_itemsize",
+    "stack_slices",
 ]
 
 PLAN_FORMAT_VERSION = 1
 
-Role = Literal["matrix", "tail"]
+Role = Literal["matrix", "sharded_stack", "tail"]
 DType = Literal[
     "float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8",
     "bool", "float8_e4m3fn", "float8_e5m2",
@@ -118,6 +124,15 @@ class Plan(BaseModel):
     params: tuple[ParamPlacement, ...]
     notes: dict[str, str] = Field(default_factory=dict)  # fqn -> why the planner changed its role
 
+    @classmethod
+    def trusted(cls, **fields: object) -> Plan:
+        """Build from rows the planner made itself: skip per-row re-validation, keep the checks.
+
+        Plans read from JSON or handed in by users go through full validation instead.
+        """
+        plan = cls.model_construct(**fields)
+        return plan._consistent()
+
     @model_validator(mode="after")
     def _consistent(self) -> Plan:
         seen: set[str] = set()
@@ -130,8 +145,10 @@ class Plan(BaseModel):
                     f"matrix {p.fqn!r} has owner_rank={p.owner_rank}; it must be in "
                     f"[0, {self.world_size}) for world_size={self.world_size}"
                 )
-            if p.role == "tail" and p.owner_rank is not None:
-                raise ValueError(f"tail parameter {p.fqn!r} must have owner_rank=None")
+            if p.role != "matrix" and p.owner_rank is not None:
+                raise ValueError(f"{p.role} parameter {p.fqn!r} must have owner_rank=None")
+            if p.role == "sharded_stack" and len(p.shape) != 3:
+                raise ValueError(f"sharded_stack {p.fqn!r} must be 3-D (E, m, n), got {p.shape}")
         return self
 
     # -- lookup ---------------------------------------------------------------------------------
@@ -143,7 +160,12 @@ class Plan(BaseModel):
 
     @property
     def matrices(self) -> tuple[ParamPlacement, ...]:
+        """Matrices owned whole by one rank (``role == "matrix"``)."""
         return tuple(p for p in self.params if p.role == "matrix")
+
+    @property
+    def sharded_stacks(self) -> tuple[ParamPlacement, ...]:
+        return tuple(p for p in self.params if p.role == "sharded_stack")
 
     @property
     def tail(self) -> tuple[ParamPlacement, ...]:
@@ -179,6 +201,12 @@ class Plan(BaseModel):
             counts[rank] += 1
             nbytes[rank] += p.nbytes
             costs[rank] += p.cost
+        for p in self.sharded_stacks:  # FSDP2 chunks dim 0: ceil(E / N) whole experts per rank
+            experts = p.shape[0]
+            for rank, k in enumerate(stack_slices(experts, self.world_size)):
+                counts[rank] += k
+                nbytes[rank] += p.nbytes * k // experts
+                costs[rank] += p.cost * k / experts
         return [
             RankLoad(rank=r, num_matrices=counts[r], nbytes=nbytes[r], cost=costs[r])
             for r in range(self.world_size)
@@ -204,6 +232,12 @@ class Plan(BaseModel):
         # Pigeonhole: of the n + 1 largest items two share a rank.
         pair = items[n - 1] + items[n] if len(items) > n else 0.0
         return max(items[0], mean, pair) / mean if mean > 0 else 1.0
+
+
+def stack_slices(experts: int, world_size: int) -> list[int]:
+    """Whole experts per rank under FSDP2 ``Shard(0)`` (``torch.chunk`` sizes, zeros at the end)."""
+    chunk = -(-experts // world_size)
+    return [max(0, min(chunk, experts - r * chunk)) for r in range(world_size)]
 
 
 def specs_from_rows(rows: Iterable[tuple[str, Sequence[int], str, Role, str]]) -> list[ParamSpec]:
