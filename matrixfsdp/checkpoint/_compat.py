@@ -31,8 +31,11 @@ def names(fqns: Iterable[str], limit: int = 12) -> str:
 
 def _role_problems(saved: dict[str, TensorEntry], now: dict[str, TensorEntry],
                    common: list[str]) -> list[str]:
-    became_matrix = [f for f in common if now[f].role == "matrix" and saved[f].role != "matrix"]
-    became_tail = [f for f in common if saved[f].role == "matrix" and now[f].role != "matrix"]
+    # Whole-owned matrices and sharded stacks are both stepped by the matrix optimizer; which one
+    # a stack is depends on the world size, so a change between them is a reshard, not a mismatch.
+    stepped = ("matrix", "sharded_stack")
+    became_matrix = [f for f in common if now[f].role in stepped and saved[f].role not in stepped]
+    became_tail = [f for f in common if saved[f].role in stepped and now[f].role not in stepped]
     if not (became_matrix or became_tail):
         return []
     parts = []

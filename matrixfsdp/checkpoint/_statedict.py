@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from ..runtime import MatrixFSDPState
 from .layout import (
@@ -69,6 +69,7 @@ def param_fqns(model: nn.Module) -> dict[int, str]:
 def model_entries(model: nn.Module, runtime: MatrixFSDPState) -> list[TensorEntry]:
     """Every state-dict entry of the wrapped model with its global shape and role."""
     buffers = {name for name, _ in model.named_buffers()}
+    stacks = {p.fqn for p in runtime.plan.sharded_stacks}
     entries = []
     for key, value in model.state_dict().items():
         mp = runtime.params.get(key)
@@ -81,7 +82,7 @@ def model_entries(model: nn.Module, runtime: MatrixFSDPState) -> list[TensorEntr
                 f"state_dict entry {key!r} is a {type(value).__name__}; matrixfsdp checkpoints "
                 "hold tensors only (move extra state into save(..., extra=...))"
             )
-        role = "buffer" if key in buffers else "tail"
+        role = "buffer" if key in buffers else "sharded_stack" if key in stacks else "tail"
         entries.append(TensorEntry(fqn=key, shape=tuple(value.shape), dtype=dtype_name(value.dtype),
                                    role=role))
     return entries
@@ -201,8 +202,23 @@ def _state_target(p: torch.Tensor, md: TensorStorageMetadata, on_device_scalars:
         local = torch.empty_like(p.to_local(), dtype=dtype)
         return DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape,
                                   stride=p.stride())
+    if _sharded_like_stack(p, md):
+        # Per-expert state of a sharded stack ((E, ...) with any trailing shape): shard dim 0
+        # exactly as the parameter's experts are sharded.
+        size = tuple(md.size)
+        local = torch.empty((p.to_local().shape[0], *size[1:]), dtype=dtype, device=p.device)
+        stride = [1] * len(size)
+        for i in range(len(size) - 2, -1, -1):
+            stride[i] = stride[i + 1] * size[i + 1]
+        return DTensor.from_local(local, p.device_mesh, p.placements, shape=torch.Size(size),
+                                  stride=tuple(stride))
     device = p.device if len(md.size) or on_device_scalars else torch.device("cpu")
     return torch.empty(tuple(md.size), dtype=dtype, device=device)
+
+
+def _sharded_like_stack(p: torch.Tensor, md: TensorStorageMetadata) -> bool:
+    return (isinstance(p, DTensor) and p.ndim == 3 and len(md.size) >= 1
+            and md.size[0] == p.shape[0] and tuple(p.placements) == (Shard(0),))
 
 
 def optimizer_targets(

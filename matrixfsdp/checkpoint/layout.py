@@ -50,7 +50,7 @@ FORMAT_VERSION = 1
 LAYOUT_FILE = "matrixfsdp_layout.json"
 COMPLETE_FILE = "COMPLETE"
 
-Role = Literal["matrix", "tail", "buffer"]
+Role = Literal["matrix", "sharded_stack", "tail", "buffer"]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
