@@ -64,10 +64,10 @@ def test_planning_100k_matrices_under_a_second() -> None:
     specs = [ParamSpec(fqn=f"layers.{i // 8}.m{i}", shape=(64 + i % 100, 128), role="matrix",
                        group=f"layers.{i // 8}") for i in range(100_000)]
     best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
+    for _ in range(3):  # CPU time: other processes on a loaded CI box do not count
+        start = time.process_time()
         plan = LPTPlanner()(specs, 64)
-        best = min(best, time.perf_counter() - start)
+        best = min(best, time.process_time() - start)
     assert len(plan.matrices) == 100_000
     assert best < 1.0, f"planning took {best:.2f}s"
 
