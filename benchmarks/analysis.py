@@ -47,6 +47,11 @@ def _comm(rank_results: list[dict[str, Any]], name: str) -> dict[str, dict[str, 
             for ph in PHASES}
 
 
+def _fwd_bwd_sent(rank_results: list[dict[str, Any]], name: str) -> int:
+    return max(sum(c["sent"] for c in r["counted"][name]["collectives"]
+                   if c["phase"] != "optimizer") for r in rank_results)
+
+
 def _resident(rank_results: list[dict[str, Any]], name: str) -> dict[str, Any]:
     per_rank = [r["counted"][name]["resident"] for r in rank_results]
     worst = max(per_rank, key=lambda d: sum(d.values()))
@@ -103,7 +108,8 @@ def aggregate_world(cfg: BenchConfig, timing: list[dict[str, Any]],
     strategies: dict[str, Any] = {}
     for name in names:
         strategies[name] = {"times": _times(timing, name), "losses": _losses(timing, name),
-                            "comm": _comm(timing, name), "resident": _resident(timing, name)}
+                            "comm": _comm(timing, name), "resident": _resident(timing, name),
+                            "fwd_bwd_sent": _fwd_bwd_sent(timing, name)}
         if memory and name in memory:
             ranks = memory[name]
             strategies[name]["peak_rss"] = max(r["peak_rss"] for r in ranks)

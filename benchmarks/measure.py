@@ -38,6 +38,7 @@ __all__ = [
     "rss_bytes",
     "summarize",
     "time_collectives",
+    "track_live_memory",
 ]
 
 _ITEMSIZE = {
@@ -103,7 +104,7 @@ def count_collectives(phase: str, fn: Callable[[], Any], world: int) -> tuple[An
     a2a_out = [_nbytes(e.shapes()[:1], e.dtypes()[:1]) for e in events
                if e.name() == "c10d::alltoall_base_"]
     backend = [e for e in events if e.name().startswith(_BACKENDS)]
-    rooted = iter(roots)
+    rooted = {op: iter([am_root for o, am_root in roots if o == op]) for op in ("broadcast", "reduce")}
     out = []
     for e in backend:
         op = e.name().split(":", 1)[1]
@@ -112,7 +113,7 @@ def count_collectives(phase: str, fn: Callable[[], Any], world: int) -> tuple[An
             o = a2a_out.pop(0) if a2a_out else s
             out.append(Collective(phase, op, max(s, o), o, s))
         elif op in ("broadcast", "reduce"):
-            _, am_root = next(rooted, (op, False))
+            am_root = next(rooted[op], False)
             many = (world - 1) * s
             recv = (many if am_root else 0) if op == "reduce" else (0 if am_root else s)
             sent = (s if not am_root else 0) if op == "reduce" else (many if am_root else 0)
@@ -204,6 +205,19 @@ def _status_bytes(field: str) -> int | None:
 def rss_bytes() -> int:
     """Current resident set size (``VmRSS``; 0 where /proc is unavailable)."""
     return _status_bytes("VmRSS") or 0
+
+
+def track_live_memory() -> bool:
+    """Make RSS follow live memory: glibc serves allocations >= 64 KiB by ``mmap`` and returns
+    freed memory to the OS at once (``mallopt`` ``M_MMAP_THRESHOLD``, ``M_TRIM_THRESHOLD``), so
+    a peak RSS is not an artifact of which freed chunks the allocator happened to cache."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(-3, 65536)) and bool(libc.mallopt(-1, 0))
+    except (OSError, AttributeError):
+        return False
 
 
 def reset_peak_rss() -> bool:

@@ -36,12 +36,13 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 def _strategy_table(run: dict[str, Any]) -> list[str]:
     header = ["strategy", "opt step ms", "fwd+bwd ms", "total ms", "opt CPU ms",
-              "fwd coll", "bwd coll", "opt coll", "resident (params / grads / state)",
-              "peak RSS (Δ over start)"]
+              "fwd coll", "bwd coll", "opt coll", "fwd+bwd sent", "resident (params / grads / "
+              "state)", "peak RSS (Δ over start)"]
     rows = []
     for name, s in run["strategies"].items():
         t, c, r = s["times"], s["comm"], s["resident"]
         coll = [f"{c[ph]['calls']} / {fmt_bytes(c[ph]['recv'])}" for ph in PHASES]
+        coll.append(fmt_bytes(s.get("fwd_bwd_sent", 0)))
         rss = (f"{fmt_bytes(s['peak_rss'])} ({fmt_bytes(s['peak_rss_delta'])})"
                if "peak_rss" in s else "not run")
         rows.append([_label(name), _ms(t["optimizer"]), _ms(t["fwd_bwd"]), _ms(t["total"]),
@@ -173,14 +174,17 @@ def _definition_lines() -> list[str]:
         "Definitions: times are the slowest rank per measured step, median over steps; ranks are "
         "fenced by barriers between phases (barriers are not timed or counted). 'opt CPU' is the "
         "process CPU time of the optimizer step (not inflated by ranks sharing cores). Collective "
-        "columns are 'calls / bytes received by the busiest rank' per phase, counted from the "
+        "columns are 'calls / bytes received by the busiest rank' per phase ('fwd+bwd sent': bytes "
+        "the busiest rank sends in forward+backward, which exposes an owner's fan-out), counted "
+        "from the "
         "profiler's gloo events in one extra step (every backend collective, FSDP2's included; "
         "gloo runs FSDP2's reduce-scatter as an all-reduce). Resident bytes are counted from "
         "tensors after the optimizer step (parameters incl. matrixfsdp's unsharded leaves, "
         "gradients, optimizer state; DTensors count their local shard; aliases once), busiest "
-        "rank. Peak RSS is the VmHWM of a fresh process per strategy over its first two steps "
-        "(Δ: above the RSS before the model was built), busiest rank. The ideal optimizer step "
-        "is the single-process, single-thread step (matrices + tail AdamW, measured by rank 0 alone "
+        "rank. Peak RSS is the VmHWM of a fresh process per strategy over its first two steps, "
+        "with glibc told to mmap allocations >= 64 KiB and return freed memory at once (so RSS "
+        "follows live memory; Δ: above the RSS before the model was built), busiest rank. The "
+        "ideal optimizer step is the single-process, single-thread step (matrices + tail AdamW, measured by rank 0 alone "
         "between rounds) divided by N.",
     ]
 

@@ -20,6 +20,7 @@ from .measure import (
     reset_peak_rss,
     rss_bytes,
     time_collectives,
+    track_live_memory,
 )
 from .model import GPT, global_tokens, lm_loss, local_tokens
 from .strategies import Strategy, StrategyContext, build_strategy, owner_plan
@@ -104,6 +105,7 @@ def timing_worker(rank: int, world: int, cfg: BenchConfig) -> dict[str, Any]:
 
 def memory_worker(rank: int, world: int, cfg: BenchConfig, name: str) -> dict[str, Any]:
     """One strategy alone in a fresh process: RSS high-water mark over its first two steps."""
+    live = track_live_memory()
     before = rss_bytes()
     reset_ok = reset_peak_rss()
     base, ctx = _context(rank, world, cfg)
@@ -111,7 +113,7 @@ def memory_worker(rank: int, world: int, cfg: BenchConfig, name: str) -> dict[st
     for step in range(2):
         timed_step(s, _tokens(cfg, step, rank, world))
     return {"rank": rank, "rss_before": before, "peak_rss": peak_rss_bytes(),
-            "hwm_reset": reset_ok}
+            "hwm_reset": reset_ok, "live_tracking": live}
 
 
 class Reference:
