@@ -54,6 +54,16 @@ OPTIMIZER_CASES: list[tuple[str, str, Any]] = [
 ]
 
 
+def _log(row: dict[str, Any]) -> None:
+    """One progress line on stderr (the tables/JSON go to stdout at the end)."""
+    label = row.get("optimizer") or row.get("method")
+    sys.stderr.write(
+        f"[optim_cpu] {label} {row.get('shape') or row.get('d')} "
+        f"threads={row['threads']} median={row['median_s']:.4f}s\n"
+    )
+    sys.stderr.flush()
+
+
 def _median_seconds(fn: Callable[[], None], warmup: int, repeats: int) -> tuple[float, list[float]]:
     for _ in range(warmup):
         fn()
@@ -119,6 +129,7 @@ def bench_optimizers(shapes, warmup: int, repeats: int, threads: int) -> list[di
                     "times_s": times,
                 }
             )
+            _log(rows[-1])
     return rows
 
 
@@ -158,6 +169,7 @@ def bench_inverse_sqrt(dims, warmup: int, repeats: int, threads: int, cond: floa
                     "residual": residual,
                 }
             )
+            _log(rows[-1])
     return rows
 
 
@@ -185,7 +197,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--shapes", default="1024x1024,1024x4096", help="comma list of MxN")
     p.add_argument("--cans-dims", default="512,1024,2048", help="comma list of d")
     p.add_argument(
-        "--skip-default-threads", action="store_true", help="only run with torch.set_num_threads(1)"
+        "--threads",
+        default="1,default",
+        help="comma list of thread counts to run; 'default' = torch's default count",
     )
     return p.parse_args(argv)
 
@@ -195,9 +209,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s]
     dims = [int(d) for d in args.cans_dims.split(",") if d]
     default_threads = torch.get_num_threads()
-    thread_settings = (
-        [1] if args.skip_default_threads or default_threads == 1 else [1, default_threads]
-    )
+    thread_settings = []
+    for item in args.threads.split(","):
+        count = default_threads if item.strip() == "default" else int(item)
+        if count not in thread_settings:
+            thread_settings.append(count)
     results: dict[str, Any] = {
         "env": f"torch {torch.__version__}, {platform.processor() or platform.machine()}, "
         f"default threads {default_threads}, median of {args.repeats} after {args.warmup} warm-up",
@@ -205,8 +221,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "inverse_sqrt": [],
     }
     for threads in thread_settings:
-        results["optimizers"] += bench_optimizers(shapes, args.warmup, args.repeats, threads)
         results["inverse_sqrt"] += bench_inverse_sqrt(dims, args.warmup, args.repeats, threads)
+        results["optimizers"] += bench_optimizers(shapes, args.warmup, args.repeats, threads)
     torch.set_num_threads(default_threads)
     sys.stdout.write((json.dumps(results, indent=2) if args.json else _markdown(results)) + "\n")
     return results
