@@ -187,7 +187,9 @@ def smoke_test(device: torch.device, optimizer: str, small: bool = False,
             "max_loss_diff": worst, "max_param_rel_err": param_err,
             "optimizer_collectives": collectives,
             "median_step_ms": sorted(times)[len(times) // 2] * 1e3,
-            "ok": worst < 1e-4 and param_err < 1e-4 and collectives == 0}
+            # fp16 CANS on CUDA and the owner's batched same-shape GEMMs round differently from
+            # the per-matrix reference; a wrong gradient or update would be off by O(1)
+            "ok": worst < 1e-3 and param_err < 1e-3 and collectives == 0}
 
 
 def _world_one(device: torch.device, optimizers: list[str], small: bool) -> list[dict[str, Any]]:
