@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterable, Sequence
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -41,6 +42,7 @@ def fully_shard_matrix(
     reshard_after_forward: bool = True,
     mp_policy: MixedPrecisionPolicy | None = None,
     planner: object = None,
+    collectives: Literal["auto", "alltoall", "p2p"] = "auto",
 ) -> nn.Module:
     """Shard ``model`` owner-style: each selected matrix whole on one rank, the tail in FSDP2.
 
@@ -57,6 +59,10 @@ def fully_shard_matrix(
             in ``reduce_dtype`` (default: the parameter's own dtype), owners keep the master.
         planner: an ``LPTPlanner``, a cost-model name (``"bytes"``, ``"muon"``, ``"okls"``, ...)
             or a callable ``(specs, world_size) -> Plan``; ``None`` balances resident bytes.
+        collectives: how owner segments move: one uneven all-to-all per group (``"alltoall"``),
+            one broadcast / reduce per owner segment (``"p2p"``), or ``"auto"``: per group,
+            all-to-all while its owners cover about half the ranks or more, else p2p (see
+            ``TorchOwnerComm``).
 
     Returns the same module, changed in place.
     """
@@ -65,7 +71,15 @@ def fully_shard_matrix(
     group_modules = _resolve_groups(model, groups)
     sites = select_params(model, group_modules, matrix_filter, mesh.device_type)
     plan = make_plan(param_specs(sites), mesh.size(), planner)
-    comm = TorchOwnerComm(mesh.get_group())
+    if collectives not in ("auto", "alltoall", "p2p"):
+        raise ValueError(
+            f"collectives must be 'auto', 'alltoall' or 'p2p', got {collectives!r}"
+        )
+    comm = TorchOwnerComm(
+        mesh.get_group(),
+        gather_impl="broadcast" if collectives == "p2p" else collectives,
+        reduce_impl="reduce" if collectives == "p2p" else collectives,
+    )
     _check_plan_agrees(plan, comm.group)
     matrix_groups = _build_groups(model, group_modules, sites, plan, comm, mp_policy)
     ignored = {t for g in matrix_groups for p in g.params for t in (p.sharded, p.unsharded)}

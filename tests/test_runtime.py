@@ -48,10 +48,11 @@ def _grads_match(rank: int, world: int) -> None:
 
 def _sgd_parity(
     rank: int, world: int, *, steps: int = 5, micro: int = 1, reshard_after_forward: bool = True,
-    planner: object = None, **model_kwargs,
+    planner: object = None, collectives: str = "auto", **model_kwargs,
 ) -> None:
     ref, model = _pair(**model_kwargs)
-    mf.fully_shard_matrix(model, reshard_after_forward=reshard_after_forward, planner=planner)
+    mf.fully_shard_matrix(model, reshard_after_forward=reshard_after_forward, planner=planner,
+                          collectives=collectives)
     notes = mf.get_plan(model).notes
     assert (planner is None) == (not notes), notes
     for fqn in notes:  # demoted matrices are plain FSDP2 tail parameters
@@ -111,16 +112,22 @@ def _memory_and_pinning(rank: int, world: int) -> None:
 
 
 def _collective_counts(rank: int, world: int) -> None:
-    for reshard in (True, False):
+    for reshard, collectives in ((True, "alltoall"), (False, "alltoall"), (True, "p2p")):
         _, model = _pair()
-        mf.fully_shard_matrix(model, reshard_after_forward=reshard)
+        mf.fully_shard_matrix(model, reshard_after_forward=reshard, collectives=collectives)
         state = mf.get_state(model)
-        groups = len(state.groups)
+        if collectives == "alltoall":
+            groups = len(state.groups)
+        else:  # one broadcast per owner segment of each group (and one reduce per owner)
+            groups = sum(sum(1 for n in g.gather_numels if n) for g in state.groups)
         not_owned = sum(
             mp.numel * mp.dtype.itemsize for mp in state.params.values() if not mp.is_owner
         )
         counter = state.comm.counter
         counter.reset()
+        # "auto": one all-to-all while a group's owners cover about half the ranks, else p2p.
+        assert state.comm._use_p2p("auto", [1] + [0] * (world - 1)) == (world >= 4)
+        assert not state.comm._use_p2p("auto", [1] * world)
         loss = lm_loss(model, local_batch(global_batch(0), rank, world))
         fwd = counter.snapshot()[Phase.FORWARD.value]
         loss.backward()
@@ -259,6 +266,10 @@ def _world_runtime(rank: int, world: int) -> None:
         "sgd_oversized_to_tail": functools.partial(
             _sgd_parity, rank, world, steps=3, planner=mf.LPTPlanner(memory_cap_bytes=2559)
         ),
+        "sgd_p2p_collectives": functools.partial(_sgd_parity, rank, world, steps=3,
+                                                 collectives="p2p"),
+        "sgd_alltoall_collectives": functools.partial(_sgd_parity, rank, world, steps=3,
+                                                      collectives="alltoall"),
         "memory_and_pinning": functools.partial(_memory_and_pinning, rank, world),
         "collective_counts": functools.partial(_collective_counts, rank, world),
         "plan_identical": functools.partial(_plan_identical, rank, world),

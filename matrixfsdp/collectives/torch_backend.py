@@ -13,8 +13,8 @@ from .base import CommCounter, OwnerComm, Pending
 
 __all__ = ["TorchOwnerComm"]
 
-GatherImpl = Literal["alltoall", "broadcast"]
-ReduceImpl = Literal["alltoall", "reduce"]
+GatherImpl = Literal["auto", "alltoall", "broadcast"]
+ReduceImpl = Literal["auto", "alltoall", "reduce"]
 
 
 class TorchOwnerComm(OwnerComm):
@@ -25,20 +25,31 @@ class TorchOwnerComm(OwnerComm):
     non-empty segment. ``reduce_impl``: ``"alltoall"`` sends each owner its segment in one uneven
     all-to-all and sums locally; ``"reduce"`` issues one ``reduce(dst=owner)`` per non-empty
     segment. All four work on gloo and NCCL.
+
+    ``"auto"`` (the default for both) decides per call from the segment sizes, which come from
+    the plan and so agree on every rank: with ``k`` non-empty segments among ``N`` ranks, the
+    all-to-all makes each owner send its segment ``N − 1`` times, about ``(N − 1) / k`` times
+    the bytes of a pipelined broadcast (or reduce) per segment. One all-to-all wins while
+    ``k ≥ (N − 1) / 2`` (small worlds, or groups spread over most ranks); past that, the
+    broadcast/reduce form does (many ranks per group, e.g. 64 ranks and 7 matrices per block).
     """
 
     def __init__(
         self,
         group: dist.ProcessGroup | None = None,
         *,
-        gather_impl: GatherImpl = "alltoall",
-        reduce_impl: ReduceImpl = "alltoall",
+        gather_impl: GatherImpl = "auto",
+        reduce_impl: ReduceImpl = "auto",
         counter: CommCounter | None = None,
     ) -> None:
-        if gather_impl not in ("alltoall", "broadcast"):
-            raise ValueError(f"gather_impl must be 'alltoall' or 'broadcast', got {gather_impl!r}")
-        if reduce_impl not in ("alltoall", "reduce"):
-            raise ValueError(f"reduce_impl must be 'alltoall' or 'reduce', got {reduce_impl!r}")
+        if gather_impl not in ("auto", "alltoall", "broadcast"):
+            raise ValueError(
+                f"gather_impl must be 'auto', 'alltoall' or 'broadcast', got {gather_impl!r}"
+            )
+        if reduce_impl not in ("auto", "alltoall", "reduce"):
+            raise ValueError(
+                f"reduce_impl must be 'auto', 'alltoall' or 'reduce', got {reduce_impl!r}"
+            )
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
@@ -50,6 +61,13 @@ class TorchOwnerComm(OwnerComm):
             for r in range(self.world_size)
         ]
 
+    def _use_p2p(self, impl: str, numels: Sequence[int]) -> bool:
+        """Whether to use one broadcast/reduce per segment instead of one all-to-all."""
+        if impl != "auto":
+            return impl in ("broadcast", "reduce")
+        owners = sum(1 for n in numels if n)
+        return owners < (self.world_size - 1) / 2
+
     # -- all-gather-v -----------------------------------------------------------------------------
     def all_gather_v(
         self, own: torch.Tensor, numels: Sequence[int], *, async_op: bool = False
@@ -58,7 +76,7 @@ class TorchOwnerComm(OwnerComm):
             raise ValueError(f"own segment has {own.numel()} elements, plan says {numels[self.rank]}")
         if self.world_size == 1:
             return [own], Pending()
-        if self.gather_impl == "broadcast":
+        if self._use_p2p(self.gather_impl, numels):
             return self._gather_broadcast(own, numels, async_op)
         return self._gather_alltoall(own, numels, async_op)
 
@@ -108,7 +126,7 @@ class TorchOwnerComm(OwnerComm):
         own = flat[offset : offset + numels[me]]
         if self.world_size == 1:
             return own, Pending()
-        if self.reduce_impl == "reduce":
+        if self._use_p2p(self.reduce_impl, numels):
             return self._reduce_p2p(flat, numels, async_op)
         return self._reduce_alltoall(flat, own, numels, async_op)
 

@@ -42,7 +42,9 @@ class MatrixOptimizer(torch.optim.Optimizer):
         tail_lr, tail_weight_decay: the tail's learning rate and weight decay.
         tail_optimizer_kwargs: extra keyword arguments for the tail optimizer.
         batch_same_shape: step same-shape owned matrices as one ``(B, m, n)`` batch (one bmm /
-            batched eigh instead of B small calls); the result equals the unbatched step.
+            batched eigh instead of B small calls; the result equals the unbatched step up to
+            rounding). ``None`` (default) batches on CUDA, where it saves kernel launches, and
+            not on CPU, where stacking measured slower (Muon 136 vs 111 ms) and costs memory.
         **optimizer_kwargs: the matrix optimizer's hyperparameters (e.g. Muon's ``momentum``,
             ``nesterov``, ``ns_steps``; OKLS's ``beta1``, ``beta2``, ``eps``).
     """
@@ -58,7 +60,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
         tail_weight_decay: float = 0.0,
         *,
         tail_optimizer_kwargs: Mapping[str, Any] | None = None,
-        batch_same_shape: bool = True,
+        batch_same_shape: bool | None = None,
         **optimizer_kwargs: Any,
     ) -> None:
         for field, value in (("lr", lr), ("weight_decay", weight_decay), ("tail_lr", tail_lr),
@@ -90,7 +92,9 @@ class MatrixOptimizer(torch.optim.Optimizer):
         super().__init__(groups, {})
         self._matrix_inner: torch.optim.Optimizer | None = None
         self._config_cache: tuple[tuple, Any] | None = None
-        self.batch_same_shape = batch_same_shape
+        if batch_same_shape is None:
+            batch_same_shape = any(p.is_cuda for p in matrices)
+        self.batch_same_shape = bool(batch_same_shape)
         self._link_inner()
 
     def _link_inner(self) -> None:
