@@ -8,8 +8,9 @@ DTensor's and the library's alike), with the input shape and dtype the backend r
 
 - all_gather: (N-1)·s          - all_reduce: 2(N-1)/N·n (ring; gloo runs FSDP2's
 - reduce_scatter: (N-1)/N·n      reduce-scatter as an all-reduce of the whole buffer)
-- all_to_all: this rank's output bytes (every all-to-all here sends nothing to itself; the output
-  size comes from the matching ``c10d::alltoall_base_`` event)
+- all_to_all: this rank's output bytes (the output size comes from the matching
+  ``c10d::alltoall_base_`` event; matrixfsdp's gradient reduction also carries each owner's own
+  segment to itself, a local copy the output size includes)
 - broadcast: n on non-roots, 0 on the root;  reduce: (N-1)·n on the root, 0 elsewhere (the root
   is recorded by a wrapper around ``torch.distributed.broadcast``/``reduce`` while counting)
 Tables show the busiest rank. ``size`` is the op's logical size (all_gather: the output; all_to_all:

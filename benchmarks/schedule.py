@@ -110,10 +110,12 @@ def _fsdp(setup: Setup, role: str | None, resharded: bool = True) -> list[Op]:
     return ops
 
 
-def _a2a(phase: str, world: int, pairs: dict[tuple[int, int], int]) -> Op:
+def _a2a(phase: str, world: int, pairs: dict[tuple[int, int], int], self_copy: bool = False) -> Op:
+    """An all-to-all; ``self_copy``: each rank's segment to itself is in the buffers (a local
+    copy that the profiler's output size includes), as in matrixfsdp's gradient reduction."""
     grid = [[0] * world for _ in range(world)]
     for (src, dst), nbytes in pairs.items():
-        if src != dst:
+        if src != dst or self_copy:
             grid[src][dst] += nbytes
     size = max(max(sum(row) for row in grid), max(sum(col) for col in zip(*grid, strict=True)))
     return Op(phase, "all_to_all", size, traffic=tuple(tuple(r) for r in grid))
@@ -129,6 +131,8 @@ def _owner_segments(setup: Setup, unit: str) -> dict[int, tuple[int, int]]:
 
 
 def _matrixfsdp(setup: Setup, impl: str) -> list[Op]:
+    """``impl``: "alltoall", "p2p", or "auto" (the library default: per group, one all-to-all
+    while the group's owners number at least (N − 1) / 2, else broadcast / reduce)."""
     n, d = setup.world, setup.dtypes
     ops = _fsdp(setup, "tail")
     for phase, kinds in (("forward", ("gather",)), ("backward", ("gather", "reduce"))):
@@ -136,15 +140,18 @@ def _matrixfsdp(setup: Setup, impl: str) -> list[Op]:
             seg = _owner_segments(setup, unit)
             if not seg:
                 continue
+            unit_impl = impl
+            if impl == "auto":
+                unit_impl = "alltoall" if len(seg) >= (n - 1) / 2 else "p2p"
             for kind in kinds:
-                if kind == "gather" and impl == "alltoall":
+                if kind == "gather" and unit_impl == "alltoall":
                     pairs = {(o, r): e * d.gather for o, (e, _) in seg.items() for r in range(n)}
                     ops.append(_a2a(phase, n, pairs))
                 elif kind == "gather":
                     ops += [Op(phase, "broadcast", e * d.gather, root=o) for o, (e, _) in seg.items()]
-                elif impl == "alltoall":
+                elif unit_impl == "alltoall":
                     pairs = {(r, o): (e + c) * d.grad for o, (e, c) in seg.items() for r in range(n)}
-                    ops.append(_a2a(phase, n, pairs))
+                    ops.append(_a2a(phase, n, pairs, self_copy=True))
                 else:
                     ops += [Op(phase, "reduce", (e + c) * d.grad, root=o)
                             for o, (e, c) in seg.items()]
@@ -225,7 +232,7 @@ def schedule(setup: Setup, strategy: str) -> list[Op]:
     if strategy == "zero1_owner":
         return _zero1(setup)
     if strategy == "matrixfsdp":
-        return _matrixfsdp(setup, "alltoall")
+        return _matrixfsdp(setup, "auto")
     if strategy == "matrixfsdp_p2p":
         return _matrixfsdp(setup, "p2p")
     raise ValueError(f"no schedule for strategy {strategy!r}")

@@ -217,10 +217,9 @@ class MatrixFSDPStrategy(Strategy):
 
 
 class MatrixFSDPP2PStrategy(MatrixFSDPStrategy):
-    """matrixfsdp with its other collective implementations: one ``broadcast`` per owner segment
-    to gather and one ``reduce(dst=owner)`` per segment for gradients (``TorchOwnerComm``'s
-    ``gather_impl="broadcast"``, ``reduce_impl="reduce"``; ``fully_shard_matrix`` does not take
-    them yet, so they are set on the runtime's comm object after wrapping)."""
+    """matrixfsdp forced to its p2p collectives: one ``broadcast`` per owner segment to gather and
+    one ``reduce(dst=owner)`` per segment for gradients (what ``fully_shard_matrix(...,
+    collectives="p2p")`` selects; the default ``"auto"`` picks per group)."""
 
     name = "matrixfsdp_p2p"
 

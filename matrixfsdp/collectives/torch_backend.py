@@ -133,21 +133,18 @@ class TorchOwnerComm(OwnerComm):
     def _reduce_alltoall(
         self, flat: torch.Tensor, own: torch.Tensor, numels: Sequence[int], async_op: bool
     ) -> tuple[torch.Tensor, Pending]:
-        me, n = self.rank, self.world_size
-        in_splits = [0 if r == me else numels[r] for r in range(n)]
-        out_splits = [0 if r == me else numels[me] for r in range(n)]
-        if numels[me]:
-            # Drop our own segment from the send buffer: it stays local.
-            send = torch.cat([flat[: sum(numels[:me])], flat[sum(numels[: me + 1]) :]])
-        else:
-            send = flat
+        # The own segment travels to itself (a local copy of one segment) so the send buffer is
+        # ``flat`` as is: cutting it out would copy every other rank's segments instead.
+        n = self.world_size
+        out_splits = [numels[self.rank]] * n
         recv = flat.new_empty(sum(out_splits))
         with record_function("matrixfsdp::reduce_to_owners"):
             work = dist.all_to_all_single(
-                recv, send, out_splits, in_splits, group=self.group, async_op=async_op
+                recv, flat, out_splits, list(numels), group=self.group, async_op=async_op
             )
-        self.counter.record("reduce_to_owners", _nbytes(send), _nbytes(recv))
-        return _SumOnWait.result(own, recv, n - 1, work if async_op else None, send)
+        sent = _nbytes(flat) - _nbytes(own)
+        self.counter.record("reduce_to_owners", sent, _nbytes(recv) - _nbytes(own))
+        return _SumOnWait.result(own, recv, n, work if async_op else None, flat)
 
     def _reduce_p2p(
         self, flat: torch.Tensor, numels: Sequence[int], async_op: bool
@@ -182,7 +179,7 @@ class TorchOwnerComm(OwnerComm):
 
 
 class _SumOnWait(Pending):
-    """Pending all-to-all whose received segments are summed into ``own`` on ``wait()``."""
+    """Pending all-to-all whose ``peers`` received segments are summed into ``own`` on wait()."""
 
     def __init__(
         self, own: torch.Tensor, recv: torch.Tensor, peers: int, work: object, send: torch.Tensor
@@ -193,7 +190,8 @@ class _SumOnWait(Pending):
     def wait(self) -> None:
         super().wait()
         if self._recv is not None and self._own.numel():
-            self._own.add_(self._recv.view(self._peers, -1).sum(dim=0))
+            # Every rank's copy of our segment, ours included: sum straight into place.
+            torch.sum(self._recv.view(self._peers, -1), dim=0, out=self._own)
         self._recv = None
 
     @classmethod
