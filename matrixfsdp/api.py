@@ -150,17 +150,17 @@ def clip_grad_norm_(
         raise ValueError(f"max_norm must be non-negative, got {max_norm}")
     state = get_state(model)
     grads = list(_local_grads(model.parameters()))
-    device = state.params[next(iter(state.params))].device if state.params else torch.device("cpu")
+    device = _group_device(state.comm.group)  # gloo reduces CPU tensors, NCCL CUDA ones
     p = float(norm_type)
     if math.isinf(p):
-        local = max((g.abs().max().float() for g in grads if g.numel()), default=None)
+        local = max((g.abs().max().float().to(device) for g in grads if g.numel()), default=None)
         total = (local if local is not None else torch.zeros((), device=device)).reshape(1)
         with comm_phase(Phase.OPTIMIZER):
             total = state.comm.all_reduce_scalar(total.clone(), op="max")
     else:
         local = torch.zeros(1, dtype=torch.float32, device=device)
         for g in grads:
-            local += g.float().abs().pow(p).sum()
+            local += g.float().abs().pow(p).sum().to(device)
         with comm_phase(Phase.OPTIMIZER):
             total = state.comm.all_reduce_scalar(local, op="sum").pow(1.0 / p)
     total = total.reshape(())

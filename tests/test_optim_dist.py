@@ -178,15 +178,17 @@ def _zero_collectives_and_owner_state(rank: int, world: int, name: str) -> None:
 
 
 def _clip_matches_reference(rank: int, world: int) -> None:
-    ref, model = _pair()
-    mf.fully_shard_matrix(model)
-    tokens = global_batch(0)
-    lm_loss(ref, tokens).backward()
-    lm_loss(model, local_batch(tokens, rank, world)).backward()
-    want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
-    got = mf.clip_grad_norm_(model, 0.5)
-    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
-    assert_close_dicts(full_values(model, "grad"), reference_values(ref, "grad"), 1e-6, "clipped")
+    for norm_type in (2.0, float("inf")):
+        ref, model = _pair()
+        mf.fully_shard_matrix(model)
+        tokens = global_batch(0)
+        lm_loss(ref, tokens).backward()
+        lm_loss(model, local_batch(tokens, rank, world)).backward()
+        want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5, norm_type=norm_type)
+        got = mf.clip_grad_norm_(model, 0.5, norm_type=norm_type)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+        grads = full_values(model, "grad")
+        assert_close_dicts(grads, reference_values(ref, "grad"), 1e-6, f"clipped {norm_type}")
 
 
 def _torch_class_and_scheduler(rank: int, world: int) -> None:
