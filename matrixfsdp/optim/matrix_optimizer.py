@@ -133,7 +133,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
         if not owned:
             return
         if self._matrix_cls is not None:
-            self._step_with_torch_class(group, owned)
+            self._step_with_torch_class(group)
             return
         spec = self._spec
         assert spec is not None  # one of the two is always set by _matrix_group
@@ -158,7 +158,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
             items.append(OwnedMatrix(local(p), local(p.grad), tensors, int(state["step"].item())))
         return items
 
-    def _step_with_torch_class(self, group: dict[str, Any], owned: list[nn.Parameter]) -> None:
+    def _step_with_torch_class(self, group: dict[str, Any]) -> None:
         cls = self._matrix_cls
         assert cls is not None  # checked by the caller
         if self._matrix_inner is None:

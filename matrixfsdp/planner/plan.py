@@ -23,7 +23,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Iterable, Sequence
 from typing import Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -238,10 +237,3 @@ def stack_slices(experts: int, world_size: int) -> list[int]:
     """Whole experts per rank under FSDP2 ``Shard(0)`` (``torch.chunk`` sizes, zeros at the end)."""
     chunk = -(-experts // world_size)
     return [max(0, min(chunk, experts - r * chunk)) for r in range(world_size)]
-
-
-def specs_from_rows(rows: Iterable[tuple[str, Sequence[int], str, Role, str]]) -> list[ParamSpec]:
-    """Build specs from ``(fqn, shape, dtype, role, group)`` rows (handy for presets and tests)."""
-    return [
-        ParamSpec(fqn=f, shape=tuple(s), dtype=d, role=r, group=g) for f, s, d, r, g in rows
-    ]

@@ -84,7 +84,6 @@ class MatrixFSDPState:
         self.prefetch = prefetch
         self.requires_grad_sync = True
         self.params: dict[str, MatrixParam] = {p.fqn: p for g in self.groups for p in g.params}
-        self._handles: list[object] = []
         self._last_forward_order: list[MatrixGroup] = []
         self._reset_iteration()
 
@@ -106,17 +105,13 @@ class MatrixFSDPState:
 
     # -- hook registration ------------------------------------------------------------------------
     def register_hooks(self) -> None:
-        self._handles.append(
-            self.root.register_forward_pre_hook(self._root_pre_forward, prepend=True)
-        )
+        self.root.register_forward_pre_hook(self._root_pre_forward, prepend=True)
         for group in self.groups:
             module = group.module
-            self._handles.append(module.register_forward_pre_hook(
+            module.register_forward_pre_hook(
                 functools.partial(self._pre_forward, group), with_kwargs=True
-            ))
-            self._handles.append(
-                module.register_forward_hook(functools.partial(self._post_forward, group))
             )
+            module.register_forward_hook(functools.partial(self._post_forward, group))
 
     # -- forward ----------------------------------------------------------------------------------
     def _root_pre_forward(self, module: nn.Module, args: object) -> None:
@@ -215,16 +210,6 @@ class MatrixFSDPState:
         self._reset_iteration()
 
     # -- control ----------------------------------------------------------------------------------
-    def reshard_all(self) -> None:
-        for group in self.groups:
-            group.reshard()
-            group.use_sharded()
-
-    def remove_hooks(self) -> None:
-        for handle in self._handles:
-            handle.remove()  # type: ignore[attr-defined]
-        self._handles.clear()
-
     def resident_matrix_bytes(self) -> int:
         """Bytes of matrix storage this rank holds right now (owned shards + any gathered)."""
         return sum(g.resident_bytes() for g in self.groups)
