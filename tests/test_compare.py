@@ -1,0 +1,132 @@
+"""Per-optimizer recommended defaults and ``matrixfsdp compare`` (resume, plot, table)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from matrixfsdp.launch.compare import RunState, parse_optimizers, run_state
+from matrixfsdp.launch.config import OPTIMIZER_NAMES, ConfigError, load_config
+from matrixfsdp.optim.defaults import recommended_hyperparameters
+from matrixfsdp.optim.registry import get_matrix_optimizer
+
+TINY = {"corpus_bytes": 100_000, "model.dim": 32, "model.hidden": 64, "model.layers": 2,
+        "model.heads": 2, "model.seq_len": 32, "warmup_steps": 2, "global_batch": 8}
+TINY_FLAGS = [x for key, value in TINY.items() for x in ("--set", f"{key}={value}")]
+
+
+def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "matrixfsdp", *args], capture_output=True,
+                          text=True, env=full_env, timeout=300)
+
+
+@pytest.mark.parametrize("name", OPTIMIZER_NAMES)
+def test_recommended_defaults_are_valid_configs(name: str) -> None:
+    rec = recommended_hyperparameters(name)
+    get_matrix_optimizer(name).make_config(dict(rec.optimizer_kwargs))  # unknown keys raise
+    assert rec.lr > 0 and rec.weight_decay >= 0 and rec.source
+    cfg = load_config(None, optimizer=name)
+    assert (cfg.lr, cfg.weight_decay) == (rec.lr, rec.weight_decay)
+    assert (cfg.tail_lr, cfg.tail_weight_decay) == rec.resolved_tail(rec.lr, rec.weight_decay)
+    assert {k for k in cfg.optimizer_kwargs} == set(rec.optimizer_kwargs)
+    assert {"lr", "weight_decay", "tail_lr", "tail_weight_decay"} <= set(cfg.defaults_applied)
+
+
+def test_config_records_defaults_and_user_values(tmp_path: Path) -> None:
+    okls = load_config(None, optimizer="okls")
+    assert (okls.lr, okls.weight_decay) == (0.09434, 0.0303)  # the release's, not OKLSConfig's
+    assert okls.optimizer_kwargs == {"beta1": 0.9684, "beta2": 0.9482, "eps": 1e-9}
+    # --set lr / optimizer_kwargs.KEY win and are not listed as defaults
+    mine = load_config(None, optimizer="okls", lr=0.05, **{"optimizer_kwargs.beta1": 0.9})
+    assert mine.lr == 0.05 and mine.optimizer_kwargs["beta1"] == 0.9
+    assert mine.optimizer_kwargs["beta2"] == 0.9482
+    assert "lr" not in mine.defaults_applied and "optimizer_kwargs.beta1" not in mine.defaults_applied
+    assert "optimizer_kwargs.beta2" in mine.defaults_applied
+    # AdamW everywhere: the tail follows the (user's) lr unless tail_lr is set
+    adamw = load_config(None, optimizer="adamw", lr=0.004)
+    assert adamw.tail_lr == 0.004 and "tail_lr" in adamw.defaults_applied
+    assert load_config(None, optimizer="adamw", lr=0.004, tail_lr=0.001).tail_lr == 0.001
+    # config.json round trip is stable; reloaded with another optimizer, defaults re-resolve
+    saved = tmp_path / "config.json"
+    saved.write_text(mine.model_dump_json())
+    assert load_config(saved) == mine
+    soap = load_config(saved, optimizer="soap", **{"optimizer_kwargs": {}})
+    assert soap.lr == 0.05  # the user's lr stays
+    assert soap.weight_decay == recommended_hyperparameters("soap").weight_decay
+    assert soap.optimizer_kwargs == {"betas": [0.95, 0.95], "eps": 1e-8, "precondition_frequency": 10}
+    # a file value overridden on the command line becomes the user's
+    assert "weight_decay" not in load_config(saved, weight_decay=0.1).defaults_applied
+
+
+def test_bad_optimizer_name_lists_valid_ones(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="choose from muon, shampoo, soap, okls, emagram, adamw"):
+        parse_optimizers("muon,sgd")
+    with pytest.raises(ConfigError, match="more than once"):
+        parse_optimizers("muon,muon")
+    proc = _cli("compare", "--optimizers", "muon,Adam", "--out", str(tmp_path))
+    assert proc.returncode == 2 and "'Adam'" in proc.stderr
+    assert all(name in proc.stderr for name in OPTIMIZER_NAMES) and "Traceback" not in proc.stderr
+    proc = _cli("train", "--set", "optimizer=lion", "--out", str(tmp_path))
+    assert proc.returncode == 2 and all(f"'{name}'" in proc.stderr for name in OPTIMIZER_NAMES)
+    assert not any(tmp_path.iterdir())  # nothing started
+
+
+def test_run_state_refuses_another_configuration(tmp_path: Path) -> None:
+    cfg = load_config(None, optimizer="muon", out=str(tmp_path / "muon"), steps=8, **TINY)
+    assert run_state(cfg) == (RunState.NEW, 0)
+    (tmp_path / "muon").mkdir()
+    (tmp_path / "muon" / "config.json").write_text(cfg.model_dump_json())
+    assert run_state(cfg) == (RunState.NEW, 0)
+    other = load_config(None, optimizer="muon", out=str(tmp_path / "muon"), steps=9, lr=0.01, **TINY)
+    with pytest.raises(ConfigError, match="lr, steps differ"):
+        run_state(other)
+    (tmp_path / "muon" / "metrics.jsonl").write_text(json.dumps({"step": 8}) + "\n")
+    (tmp_path / "muon" / "summary.txt").write_text("done\n")
+    assert run_state(cfg) == (RunState.FINISHED, 8)
+
+
+def _compare(out: Path, optimizers: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return _cli("compare", "--optimizers", optimizers, "--out", str(out), "--steps", "8",
+                "--set", "eval_every=4", "--set", "checkpoint_every=3", "--set", "eval_batches=1",
+                *TINY_FLAGS, env=env)
+
+
+def _mtime(path: Path) -> int:
+    return path.stat().st_mtime_ns
+
+
+def test_compare_end_to_end_resumes_after_kill(tmp_path: Path) -> None:
+    out = tmp_path / "cmp"
+    first = _compare(out, "muon")
+    assert first.returncode == 0, first.stderr
+    assert "| muon |" in (out / "compare.md").read_text()
+    muon_metrics = out / "muon" / "metrics.jsonl"
+    muon_mtime, table_mtime = _mtime(muon_metrics), _mtime(out / "compare.md")
+    # adamw is killed at step 5 (its last checkpoint is step 3); muon is finished: not rerun
+    killed = _compare(out, "muon,adamw", env={"MATRIXFSDP_FAIL_AT_STEP": "5"})
+    assert killed.returncode == 1 and "run the same command again" in killed.stderr
+    assert "compare 1/2 muon: finished earlier, not rerun" in killed.stderr
+    assert _mtime(out / "compare.md") == table_mtime  # no table from a failed comparison
+    resumed = _compare(out, "muon,adamw")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "compare 2/2 adamw: resuming from step 3" in resumed.stderr
+    assert _mtime(muon_metrics) == muon_mtime
+    adamw = [json.loads(line) for line in (out / "adamw" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in adamw] == list(range(1, 9))
+    for run in ("muon", "adamw"):
+        last = json.loads((out / run / "metrics.jsonl").read_text().splitlines()[-1])
+        assert len(last["optimizer_state_bytes"]) == 2 and max(last["optimizer_state_bytes"]) > 0
+        assert sum(last["matrix_comm_bytes_sent_per_rank"]) > 0
+    png = (out / "compare.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    table = (out / "compare.md").read_text()
+    rows = [line for line in table.splitlines() if line.startswith("| ") and "optimizer |" not in line]
+    assert sorted(row.split("|")[1].strip() for row in rows) == ["adamw", "muon"]
+    assert "matrixfsdp compare --optimizers muon,adamw" in table
+    assert resumed.stdout.count("| muon |") == 1 and "optimizers in" in resumed.stdout
