@@ -130,3 +130,25 @@ def test_compare_end_to_end_resumes_after_kill(tmp_path: Path) -> None:
     assert sorted(row.split("|")[1].strip() for row in rows) == ["adamw", "muon"]
     assert "matrixfsdp compare --optimizers muon,adamw" in table
     assert resumed.stdout.count("| muon |") == 1 and "optimizers in" in resumed.stdout
+
+
+def test_matrix_optimizer_docstring_lists_the_recommended_values() -> None:
+    from matrixfsdp.optim import MatrixOptimizer
+
+    rows = {line.split()[0]: line.split()[1:3] for line in (MatrixOptimizer.__doc__ or "").splitlines()
+            if line.split() and line.split()[0] in OPTIMIZER_NAMES}
+    assert set(rows) == set(OPTIMIZER_NAMES)
+    for name, (lr, wd) in rows.items():
+        rec = recommended_hyperparameters(name)
+        assert (float(lr), float(wd)) == (rec.lr, rec.weight_decay), name
+
+
+def test_overall_eta_uses_measured_seconds_per_step() -> None:
+    from matrixfsdp.launch.compare import _Eta
+
+    eta = _Eta(steps_left=1000)
+    assert eta.text() == "overall ETA after the first steps"
+    assert eta.text(current_steps=100, current_seconds=50.0) == "overall ETA 7m30s"  # 900 x 0.5 s
+    eta.record(400, 100.0)
+    assert eta.text() == "overall ETA 2m30s"  # 600 steps x 0.25 s
+    assert eta.text(current_steps=100, current_seconds=100.0) == "overall ETA 3m20s"  # 500 x 0.4 s

@@ -24,6 +24,7 @@ import logging
 import math
 import os
 import statistics
+import threading
 import time
 from enum import Enum
 from pathlib import Path
@@ -164,10 +165,36 @@ class _Eta:
         self.steps_done += steps
         self.seconds += seconds
 
-    def text(self) -> str:
-        if not self.steps_done:
-            return "overall ETA known after the first run"
-        return f"overall ETA {_fmt_seconds(self.steps_left * self.seconds / self.steps_done)}"
+    def text(self, current_steps: int = 0, current_seconds: float = 0.0) -> str:
+        steps, seconds = self.steps_done + current_steps, self.seconds + current_seconds
+        if not steps:
+            return "overall ETA after the first steps"
+        return f"overall ETA {_fmt_seconds((self.steps_left - current_steps) * seconds / steps)}"
+
+
+class _ProgressLogger(threading.Thread):
+    """Logs the running optimizer's step and the overall ETA every ``interval`` seconds."""
+
+    def __init__(self, cfg: TrainConfig, start: int, eta: _Eta, label: str,
+                 interval: float = 30.0) -> None:
+        super().__init__(daemon=True)
+        self.cfg, self.start_step, self.eta, self.label, self.interval = cfg, start, eta, label, interval
+        self.t0, self.stopped = time.perf_counter(), threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.wait(self.interval):
+            try:
+                metrics = _metrics(Path(self.cfg.out))
+            except (ValueError, OSError):  # a line being written right now: next time
+                continue
+            step = metrics[-1]["step"] if metrics else self.start_step
+            done = max(0, step - self.start_step)
+            logger.info("%s: step %d/%d, %s", self.label, step, self.cfg.steps,
+                        self.eta.text(done, time.perf_counter() - self.t0))
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.join()
 
 
 def compare(configs: list[TrainConfig], *, command: str = "") -> list[ComparisonRow] | None:
@@ -182,7 +209,13 @@ def compare(configs: list[TrainConfig], *, command: str = "") -> list[Comparison
         how = f"resuming from step {start}" if state is RunState.PARTIAL else "starting"
         logger.info("%s: %s (lr %g; %s)", label, how, cfg.lr, eta.text())
         t0 = time.perf_counter()
-        if not _launch(cfg, resume=state is RunState.PARTIAL, label=label):
+        watcher = _ProgressLogger(cfg, start, eta, label)
+        watcher.start()
+        try:
+            ok = _launch(cfg, resume=state is RunState.PARTIAL, label=label)
+        finally:
+            watcher.stop()
+        if not ok:
             return None
         eta.record(cfg.steps - start, time.perf_counter() - t0)
         logger.info("%s: done in %s (%s)", label, _fmt_seconds(time.perf_counter() - t0), eta.text())

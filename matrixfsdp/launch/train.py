@@ -176,9 +176,10 @@ def _per_rank_bytes(ctx: RunContext, record: dict[str, Any]) -> dict[str, list[i
     optimizer = ctx.optimizer
     assert isinstance(optimizer, mf.MatrixOptimizer)  # built by _build
     mine = torch.tensor([optimizer.matrix_state_bytes() + optimizer.tail_state_bytes(),
-                         sum(record["matrix_comm_bytes_sent"].values())], dtype=torch.int64)
+                         sum(record["matrix_comm_bytes_sent"].values())], dtype=torch.int64,
+                        device=ctx.device)
     gathered = [torch.zeros_like(mine) for _ in range(ctx.world)]
-    dist.all_gather(gathered, mine.to(ctx.device))
+    dist.all_gather(gathered, mine)
     return {"optimizer_state_bytes": [int(t[0]) for t in gathered],
             "matrix_comm_bytes_sent_per_rank": [int(t[1]) for t in gathered]}
 
