@@ -62,9 +62,9 @@ class MatrixOptimizer(torch.optim.Optimizer):
     muon      0.02     0.01   momentum 0.95, Nesterov, 5 Newton-Schulz steps  3e-3
     okls      0.09434  0.0303 beta1 0.9684, beta2 0.9482, eps 1e-9 (AdamC)    3e-3
     soap      3e-3     0.01   betas (0.95, 0.95), precondition_frequency 10  3e-3
-    shampoo   1e-3     1e-5   betas (0.9, 0.999), Adam grafting, roots/step  3e-3
-    emagram   0.02     0.01   betas (0.95, 0.95), eps 1e-6 (relative)        3e-3
-    adamw     1e-3     0.01   betas (0.9, 0.999), eps 1e-8                   = lr
+    shampoo   3e-3     1e-5   betas (0.9, 0.999), Adam grafting, roots/step  3e-3
+    emagram   0.06     0.01   betas (0.95, 0.95), eps 1e-6 (relative)        3e-3
+    adamw     3e-3     0.01   betas (0.9, 0.999), eps 1e-8                   = lr
     ========  =======  =====  =============================================  ==========
     """
 
