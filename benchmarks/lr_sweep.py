@@ -40,7 +40,7 @@ def sweep_table(results: dict[str, dict[float, tuple[float, float | None]]]) -> 
              "|---|---:|" + "---:|" * len(factors) + "---|---:|"]
     for name, runs in results.items():
         done = {f: v for f, (_, v) in runs.items() if v is not None}
-        cells = [f"{runs[f][1]:.4f} (lr {runs[f][0]:.3g})" if runs.get(f, (0, None))[1] is not None
+        cells = [f"{runs[f][1]:.4f} (lr {runs[f][0]:.4g})" if runs.get(f, (0, None))[1] is not None
                  else "—" for f in factors]
         best = min(done, key=done.__getitem__) if done else None
         gap = f"{done[1.0] - done[best]:+.4f}" if best is not None and 1.0 in done else "—"

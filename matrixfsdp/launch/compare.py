@@ -278,7 +278,7 @@ def _markdown(rows: list[ComparisonRow], cfg: TrainConfig, unigram: float, comma
              "Timings are medians over the last 80% of steps; train s sums the step times "
              "(evaluation, checkpoints and start-up excluded). Each optimizer's settings are in "
              "its `config.json` (`defaults_applied` lists those taken from its defaults).", ""]
-    return "\n".join(head) + comparison_table(rows)
+    return "\n".join(head) + "\n" + comparison_table(rows)
 
 
 def _smooth(values: list[float], window: int) -> list[float]:
