@@ -141,7 +141,11 @@ def is_matrix_wrapped(model: nn.Module) -> bool:
 
 
 def get_plan(model: nn.Module) -> Plan:
-    """The owner plan the model was wrapped with (a pydantic ``Plan``)."""
+    """The owner plan the model was wrapped with (a pydantic ``Plan``).
+
+    ``get_plan(model).selection()`` lists the FQNs of the owner matrices, the 3-D expert stacks
+    and the tail; ``.notes`` says why a parameter's role differs from the default rule.
+    """
     return get_state(model).plan
 
 

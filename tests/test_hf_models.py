@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,7 @@ from .checks import assert_close_dicts, full_optimizer_state, full_values, refer
 from .dist_utils import run_subtests, run_world
 from .models import global_batch, local_batch
 
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models are built from config objects only
 transformers = pytest.importorskip("transformers")
 from benchmarks.hf_selection import MODELS, build, lm_loss_fn  # noqa: E402
 
@@ -90,11 +92,11 @@ class _Reference:
         self.model.zero_grad()
 
 
-def _model_subtest(rank: int, world: int, name: str, root: str) -> None:
+def _model_subtest(rank: int, world: int, name: str, root: str, stacks_mode: str = "auto") -> None:
     loss_fn = lm_loss_fn(name)
     ref = build(name)
     model = copy.deepcopy(ref)
-    mf.fully_shard_matrix(model)
+    mf.fully_shard_matrix(model, planner=mf.LPTPlanner(stacks=stacks_mode))  # type: ignore[arg-type]
     matrices, stacks = expected_rule(ref)
     selection = mf.get_plan(model).selection()
     assert set(selection.matrices) == matrices and set(selection.stacks) == stacks, name
@@ -104,6 +106,8 @@ def _model_subtest(rank: int, world: int, name: str, root: str) -> None:
     if name in ("qwen3_moe", "mixtral"):  # fused 3-D experts and routers are selected
         assert any(f.endswith("experts.gate_up_proj") for f in stacks)
         assert any(f.endswith("mlp.gate.weight") for f in matrices)
+        sliced = {p.fqn for p in mf.get_plan(model).sharded_stacks}
+        assert sliced == (stacks if world > 1 and stacks_mode == "auto" else set()), sliced
     reference = _Reference(ref, matrices | stacks, _conv1d_fqns(ref))
     opt = mf.MatrixOptimizer(model, "muon", lr=LR, weight_decay=WD, tail_lr=TAIL_LR,
                              tail_weight_decay=WD, tail_optimizer_kwargs=TAIL, **MUON)
@@ -118,6 +122,9 @@ def _model_subtest(rank: int, world: int, name: str, root: str) -> None:
         opt.step()
         opt.zero_grad()
     assert_close_dicts(full_values(model), reference_values(ref), 1e-5, f"{name} params")
+    if stacks_mode == "whole":  # every expert stack owned whole: gathered by the owner hooks
+        assert not mf.get_plan(model).sharded_stacks
+        return
     _checkpoint_round_trip(name, model, opt, f"{root}/{name}-w{world}")
 
 
@@ -232,6 +239,9 @@ def _split_subtest(rank: int, world: int, optimizer: str) -> None:
 def _world(rank: int, world: int, root: str) -> None:
     subtests = {f"defaults_{name}": functools.partial(_model_subtest, rank, world, name, root)
                 for name in MODELS}
+    if world > 1:  # at world 2 the default slices 4-expert stacks; also run them owned whole
+        subtests["whole_stacks_qwen3_moe"] = functools.partial(
+            _model_subtest, rank, world, "qwen3_moe", root, "whole")
     for optimizer in ("muon", "okls"):
         subtests[f"orientation_{optimizer}"] = functools.partial(
             _orientation_subtest, rank, world, optimizer)
