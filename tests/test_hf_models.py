@@ -12,6 +12,7 @@ stepped with ``split`` equals three separate weights.
 from __future__ import annotations
 
 import copy
+import fnmatch
 import functools
 import os
 from pathlib import Path
@@ -65,14 +66,16 @@ class _Reference:
     back: independent of the library's views.
     """
 
-    def __init__(self, model: nn.Module, matrices: set[str], transposed: set[str]) -> None:
-        self.model, self.transposed = model, transposed
+    def __init__(self, model: nn.Module, matrices: set[str], transposed: set[str],
+                 blocks: dict[str, int]) -> None:
+        self.model, self.transposed, self.blocks = model, transposed, blocks
         self.spec = get_matrix_optimizer("muon")
         self.config = self.spec.make_config(MUON)
         named = dict(model.named_parameters())
         self.matrices = {f: named[f] for f in matrices}
-        self.states = {f: self.spec.init_state_fn(self._canonical(f, p), self.config)
-                       for f, p in self.matrices.items()}
+        self.states = {(f, i): self.spec.init_state_fn(block, self.config)
+                       for f, p in self.matrices.items()
+                       for i, block in enumerate(self._blocks(f, self._canonical(f, p)))}
         self.tail = torch.optim.AdamW([p for f, p in named.items() if f not in matrices],
                                       lr=TAIL_LR, weight_decay=WD, **TAIL)
         self.steps = 0
@@ -80,19 +83,27 @@ class _Reference:
     def _canonical(self, fqn: str, t: torch.Tensor) -> torch.Tensor:
         return t.detach().T.contiguous() if fqn in self.transposed else t.detach().clone()
 
+    def _blocks(self, fqn: str, t: torch.Tensor) -> list[torch.Tensor]:
+        """Equal row blocks of the (*, out, in) matrix, as fresh tensors."""
+        return [b.clone() for b in t.chunk(self.blocks.get(fqn, 1), dim=-2)]
+
     @torch.no_grad()
     def step(self) -> None:
         self.steps += 1
         for fqn, p in self.matrices.items():
-            w, g = self._canonical(fqn, p), self._canonical(fqn, p.grad)
-            self.spec.step_fn(w, g, self.states[fqn], lr=LR, weight_decay=WD, step=self.steps,
-                              initial_lr=LR, config=self.config)
+            ws = self._blocks(fqn, self._canonical(fqn, p))
+            gs = self._blocks(fqn, self._canonical(fqn, p.grad))
+            for i, (w, g) in enumerate(zip(ws, gs, strict=True)):
+                self.spec.step_fn(w, g, self.states[fqn, i], lr=LR, weight_decay=WD,
+                                  step=self.steps, initial_lr=LR, config=self.config)
+            w = torch.cat(ws, dim=-2)
             p.copy_(w.T if fqn in self.transposed else w)
         self.tail.step()
         self.model.zero_grad()
 
 
-def _model_subtest(rank: int, world: int, name: str, root: str, stacks_mode: str = "auto") -> None:
+def _model_subtest(rank: int, world: int, name: str, root: str, stacks_mode: str = "auto",
+                   split: dict[str, int] | None = None) -> None:
     loss_fn = lm_loss_fn(name)
     ref = build(name)
     model = copy.deepcopy(ref)
@@ -108,9 +119,12 @@ def _model_subtest(rank: int, world: int, name: str, root: str, stacks_mode: str
         assert any(f.endswith("mlp.gate.weight") for f in matrices)
         sliced = {p.fqn for p in mf.get_plan(model).sharded_stacks}
         assert sliced == (stacks if world > 1 and stacks_mode == "auto" else set()), sliced
-    reference = _Reference(ref, matrices | stacks, _conv1d_fqns(ref))
+    blocks = {f: n for pattern, n in (split or {}).items()
+              for f in fnmatch.filter(matrices | stacks, pattern)}
+    assert len(blocks) == (2 if split else 0)  # one weight per layer, 2 layers
+    reference = _Reference(ref, matrices | stacks, _conv1d_fqns(ref), blocks)
     opt = mf.MatrixOptimizer(model, "muon", lr=LR, weight_decay=WD, tail_lr=TAIL_LR,
-                             tail_weight_decay=WD, tail_optimizer_kwargs=TAIL, **MUON)
+                             tail_weight_decay=WD, tail_optimizer_kwargs=TAIL, split=split, **MUON)
     for step in range(3):
         tokens = global_batch(step)
         loss_fn(ref, tokens).backward()
@@ -125,17 +139,19 @@ def _model_subtest(rank: int, world: int, name: str, root: str, stacks_mode: str
     if stacks_mode == "whole":  # every expert stack owned whole: gathered by the owner hooks
         assert not mf.get_plan(model).sharded_stacks
         return
-    _checkpoint_round_trip(name, model, opt, f"{root}/{name}-w{world}")
+    _checkpoint_round_trip(name, model, opt, f"{root}/{name}-w{world}-{bool(split)}", split)
 
 
-def _checkpoint_round_trip(name: str, model: nn.Module, opt: mf.MatrixOptimizer, path: str) -> None:
+def _checkpoint_round_trip(name: str, model: nn.Module, opt: mf.MatrixOptimizer, path: str,
+                           split: dict[str, int] | None) -> None:
     values = {k: v.clone() for k, v in full_values(model).items()}
     state = full_optimizer_state(model, opt)
     mf.checkpoint.save(path, model, opt, step=3)
     fresh = build(name, seed=7)
     mf.fully_shard_matrix(fresh)
     fresh_opt = mf.MatrixOptimizer(fresh, "muon", lr=LR, weight_decay=WD, tail_lr=TAIL_LR,
-                                   tail_weight_decay=WD, tail_optimizer_kwargs=TAIL, **MUON)
+                                   tail_weight_decay=WD, tail_optimizer_kwargs=TAIL, split=split,
+                                   **MUON)
     mf.checkpoint.load(path, fresh, fresh_opt)
     assert_close_dicts(full_values(fresh), values, 0.0, f"{name} loaded params")
     loaded = full_optimizer_state(fresh, fresh_opt)
@@ -242,6 +258,11 @@ def _world(rank: int, world: int, root: str) -> None:
     if world > 1:  # at world 2 the default slices 4-expert stacks; also run them owned whole
         subtests["whole_stacks_qwen3_moe"] = functools.partial(
             _model_subtest, rank, world, "qwen3_moe", root, "whole")
+        # split blocks of transposed views (GPT-2 q|k|v) and of expert slices (gate|up)
+        subtests["split_gpt2"] = functools.partial(
+            _model_subtest, rank, world, "gpt2", root, split={"*.attn.c_attn.weight": 3})
+        subtests["split_qwen3_moe"] = functools.partial(
+            _model_subtest, rank, world, "qwen3_moe", root, split={"*.experts.gate_up_proj": 2})
     for optimizer in ("muon", "okls"):
         subtests[f"orientation_{optimizer}"] = functools.partial(
             _orientation_subtest, rank, world, optimizer)

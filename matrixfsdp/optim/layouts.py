@@ -3,15 +3,16 @@
 [Note: matrix views]
 - The optimizer steps the *canonical view* of every matrix: the ``(*, out, in)`` weight of the
   equivalent ``nn.Linear`` (see [Note: plan vocabulary]): the tensor itself for ``"out_in"``,
-  ``p.mT`` for ``"in_out"`` (Hugging Face ``Conv1D``), ``p.reshape(out, -1)`` for ``"flatten"``.
+  ``p.mT`` for ``"in_out"`` (Hugging Face ``Conv1D``), ``p.view(out, -1)`` for ``"flatten"``.
   Views write through, so the step functions update the stored parameter in place and every
   shape rule they apply (Muon's learning-rate scale, OKLS/EMA-Gram shape factors, which Kronecker
   factor is left or right) sees the ``(out, in)`` matrix.
 - A *split* cuts the canonical matrix into blocks of given sizes along its output dim (rows:
   ``q | k | v`` of a fused attention projection, ``gate | up`` of a fused MLP or expert stack);
-  each block is stepped as a separate matrix with its own state. No parameter is split unless
-  asked (``MatrixOptimizer(..., split=...)``): the default steps the matrix the model defines,
-  as ``torch.optim.Muon`` would.
+  each block is stepped as a separate matrix with its own state. Blocks are contiguous row
+  ranges: an interleaved fusion (gate and up rows alternating) cannot be split. No parameter is
+  split unless asked (``MatrixOptimizer(..., split=...)``): the default steps the matrix the model
+  defines, as ``torch.optim.Muon`` would.
 - Optimizer state is kept in the canonical orientation, one set per block: the step function's
   own keys when unsplit, ``"<key>@<i>"`` for block ``i`` of a split matrix. Checkpoints store
   these tensors as they are; the split is recorded in the matrix param group (``"split"``) and
