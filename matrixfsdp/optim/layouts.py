@@ -73,7 +73,7 @@ def block_state_key(key: str, index: int, num_blocks: int) -> str:
     return key if num_blocks == 1 else f"{key}@{index}"
 
 
-# -- resolving the user's split ---------------------------------------------------------------------
+# -- resolving the user's split ------------------------------------------------------------------
 def resolve_split(
     split: SplitSpec | None, plan: Plan, fqns: Sequence[str]
 ) -> dict[str, list[int]]:
@@ -114,7 +114,9 @@ def _match_patterns(
     by_pattern: dict[str, str] = {}
     for pattern, sizes in split.items():
         if not isinstance(pattern, str):
-            raise ValueError(f"MatrixOptimizer.split keys must be FQNs or patterns, got {pattern!r}")
+            raise ValueError(
+                f"MatrixOptimizer.split keys must be FQNs or patterns, got {pattern!r}"
+            )
         hits = [pattern] if pattern in shapes else fnmatch.filter(shapes, pattern)
         if not hits:
             raise ValueError(_no_match_message(pattern, plan, shapes))
@@ -163,6 +165,9 @@ def _block_sizes(fqn: str, shape: tuple[int, ...], sizes: SplitSizes) -> list[in
         blocks = [int(s) for s in sizes]
     except (TypeError, ValueError):
         raise ValueError(f"{where}: {sizes!r} is not a number of blocks or a list of sizes") from None
-    if any(b < 1 for b in blocks) or sum(blocks) != rows or any(b != s for b, s in zip(blocks, sizes, strict=True)):
-        raise ValueError(f"{where}: sizes {list(sizes)} must be positive integers summing to {rows}")
+    exact = all(b == s for b, s in zip(blocks, sizes, strict=True))  # no silent 2.5 -> 2
+    if not exact or any(b < 1 for b in blocks) or sum(blocks) != rows:
+        raise ValueError(
+            f"{where}: sizes {list(sizes)} must be positive integers summing to {rows}"
+        )
     return blocks

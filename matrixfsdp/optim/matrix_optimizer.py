@@ -279,9 +279,9 @@ def _check_torch_class(
     """A torch.optim class steps stored tensors as they are: no blocks, stored orientation."""
     if split:
         raise NotImplementedError(
-            f"MatrixOptimizer(optimizer={cls.__name__}) cannot split {sorted(split)}: a torch.optim "
-            "class steps whole stored tensors; use a registered optimizer name (e.g. 'muon') "
-            "or drop split"
+            f"MatrixOptimizer(optimizer={cls.__name__}) cannot split {sorted(split)}: a "
+            "torch.optim class steps whole stored tensors; use a registered optimizer name "
+            "(e.g. 'muon') or drop split"
         )
     if stored:
         logger.warning(

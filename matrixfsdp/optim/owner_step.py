@@ -2,9 +2,9 @@
 
 A rank owns (a) whole matrices placed on it by the plan and (b) the local experts of sharded
 stacks (FSDP2 ``Shard(0)`` of an ``(E, m, n)`` stack holds whole experts; see
-[Note: plan vocabulary]). Both are stepped from their local tensors, through their canonical ``(out, in)`` views
-cut into blocks (see [Note: matrix views]); sharded-stack state is kept as ``Shard(0)`` DTensors
-so checkpoints reshard it like any FSDP2 state.
+[Note: plan vocabulary]). Both are stepped from their local tensors, through their canonical
+``(out, in)`` views cut into blocks (see [Note: matrix views]); sharded-stack state is kept as
+``Shard(0)`` DTensors so checkpoints reshard it like any FSDP2 state.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def _as_stack_dtensor(t: Tensor, like: DTensor) -> DTensor:
 
 
 def owned_blocks(p: Tensor, state: dict[str, Tensor], layout: MatrixLayout) -> list[OwnedMatrix]:
-    """The blocks of ``p`` to step: canonical views of the parameter and gradient with their state."""
+    """The blocks of ``p`` to step: canonical views of parameter and gradient, with their state."""
     params = block_views(local(p), layout)
     assert p.grad is not None  # the caller steps parameters with gradients only
     grads = block_views(local(p.grad), layout)
@@ -75,11 +75,11 @@ def owned_blocks(p: Tensor, state: dict[str, Tensor], layout: MatrixLayout) -> l
     keys = [k for k in state if k != "step"]
     if len(params) == 1:
         return [OwnedMatrix(params[0], grads[0], {k: local(state[k]) for k in keys}, step)]
-    first = block_state_key("", 0, len(params))  # the suffix of block 0's keys
+    n = len(params)
+    first = block_state_key("", 0, n)  # the suffix of block 0's keys
     base = [k.removesuffix(first) for k in keys if k.endswith(first)]
     return [
-        OwnedMatrix(param, grad, {k: local(state[block_state_key(k, i, len(params))]) for k in base},
-                    step)
+        OwnedMatrix(param, grad, {k: local(state[block_state_key(k, i, n)]) for k in base}, step)
         for i, (param, grad) in enumerate(zip(params, grads, strict=True))
     ]
 
