@@ -53,6 +53,10 @@ class DeviceOps:
     def is_host_resident(self, tensor: torch.Tensor) -> bool:
         raise NotImplementedError
 
+    def synchronize(self, stream: Any) -> None:
+        """Block the host until ``stream``'s work so far has finished."""
+        raise NotImplementedError
+
 
 class HostOps(DeviceOps):
     """CPU: one thread, so streams are nominal and every event has already happened."""
@@ -86,6 +90,9 @@ class HostOps(DeviceOps):
 
     def is_host_resident(self, tensor: torch.Tensor) -> bool:
         return tensor.device.type == "cpu"
+
+    def synchronize(self, stream: Any) -> None:
+        return None
 
 
 class CudaOps(DeviceOps):  # pragma: no cover - needs a CUDA device
@@ -125,6 +132,9 @@ class CudaOps(DeviceOps):  # pragma: no cover - needs a CUDA device
 
     def is_host_resident(self, tensor: torch.Tensor) -> bool:
         return tensor.device.type == "cpu" and tensor.is_pinned()
+
+    def synchronize(self, stream: torch.cuda.Stream) -> None:
+        stream.synchronize()
 
 
 def device_ops(device: torch.device | str) -> DeviceOps:
