@@ -321,16 +321,20 @@ def test_split_state_round_trips_a_checkpoint(one_rank: None, tmp_path: Path) ->
         mf.checkpoint.load(tmp_path / "ck", fresh, other)
 
 
-@pytest.mark.parametrize("optimizer", ["muon", "shampoo"])
-def test_batched_step_of_views_and_blocks(one_rank: None, optimizer: str) -> None:
-    """Same-shape batching (the CUDA default) over transposed views and split blocks: same step."""
+@pytest.mark.parametrize("optimizer,variant", [("muon", "batched"), ("shampoo", "batched"),
+                                               ("shampoo", "offload")])
+def test_batched_step_of_views_and_blocks(one_rank: None, optimizer: str, variant: str) -> None:
+    """Same-shape batching (the CUDA default) or host-offloaded state over transposed views and
+    split blocks: the same step as one block at a time on device (offload: bitwise)."""
     models = [_Model() for _ in range(2)]
     models[1].load_state_dict(models[0].state_dict())
     before = {k: v.clone() for k, v in models[0].state_dict().items()}
     opts = []
-    for model, batched in zip(models, (False, True), strict=True):
+    for model, other in zip(models, (False, True), strict=True):
         mf.fully_shard_matrix(model)
-        opts.append(mf.MatrixOptimizer(model, optimizer, batch_same_shape=batched,
+        extra = ({"batch_same_shape": other} if variant == "batched"
+                 else {"offload_state": "cpu" if other else None})
+        opts.append(mf.MatrixOptimizer(model, optimizer, **extra,
                                        split={"*.proj.weight": [3, 3], "*.experts.up": 2}))
     matrices = list(mf.get_state(models[0]).params)
     for step in range(2):
@@ -343,5 +347,7 @@ def test_batched_step_of_views_and_blocks(one_rank: None, optimizer: str) -> Non
             opt.step()
     a, b = (dict(m.named_parameters()) for m in models)
     for fqn in matrices:
+        if variant == "offload":
+            assert torch.equal(a[fqn], b[fqn]), fqn
         torch.testing.assert_close(a[fqn].detach(), b[fqn].detach(), rtol=1e-5, atol=1e-6)
         assert not torch.allclose(a[fqn].detach(), before[fqn]), fqn

@@ -24,6 +24,7 @@ from torch.profiler import record_function
 from ..api import get_state
 from ..collectives import Phase, comm_phase
 from .layouts import MatrixLayout, SplitSpec, resolve_split
+from .offload import StatePlacement, make_state_placement
 from .owner_step import OwnedMatrix, batch_owned, init_owned_state, local, owned_blocks, step_owned
 from .registry import MatrixOptimizerSpec, get_matrix_optimizer
 
@@ -54,6 +55,10 @@ class MatrixOptimizer(torch.optim.Optimizer):
             sizes along the output dim of its ``(out, in)`` matrix (e.g. ``{"*.attn.c_attn.weight":
             3}`` for GPT-2's q|k|v, ``{"*.experts.gate_up_proj": 2}`` for gate|up), or a callable
             ``(fqn, out_in_shape) -> sizes | int | None``. ``None`` (default): no split.
+        offload_state: ``"cpu"`` keeps owned matrices' optimizer state in host memory (pinned on
+            CUDA), staged onto the device two matrices at a time while stepping, with the next
+            matrix's copy-in overlapping the current one's math (see [Note: optimizer state
+            offload]); results equal on-device state bit for bit. ``None`` (default): on device.
         **optimizer_kwargs: the matrix optimizer's hyperparameters (e.g. Muon's ``momentum``,
             ``nesterov``, ``ns_steps``; OKLS's ``beta1``, ``beta2``, ``eps``).
     """
@@ -71,6 +76,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
         tail_optimizer_kwargs: Mapping[str, Any] | None = None,
         batch_same_shape: bool | None = None,
         split: SplitSpec | None = None,
+        offload_state: str | None = None,
         **optimizer_kwargs: Any,
     ) -> None:
         for field, value in (("lr", lr), ("weight_decay", weight_decay), ("tail_lr", tail_lr),
@@ -117,8 +123,10 @@ class MatrixOptimizer(torch.optim.Optimizer):
         self._matrix_inner: torch.optim.Optimizer | None = None
         self._config_cache: tuple[tuple, Any] | None = None
         self._layout_cache: tuple[tuple, dict[int, MatrixLayout]] | None = None
+        self._placement = _placement(offload_state, matrices, runtime.plan.sharded_stacks,
+                                     self._matrix_cls, batch_same_shape)
         if batch_same_shape is None:
-            batch_same_shape = any(p.is_cuda for p in matrices)
+            batch_same_shape = any(p.is_cuda for p in matrices) and not self._placement.offloaded
         self.batch_same_shape = bool(batch_same_shape)
         self._link_inner()
 
@@ -167,7 +175,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
                  "initial_lr": group["initial_lr"], "config": config}
         layouts = self._layouts(group)
         items = self._owned_items(owned, spec, config, layouts)
-        for batch in batch_owned(items, self.batch_same_shape):
+        for batch in self._placement.staged(batch_owned(items, self.batch_same_shape)):
             step_owned(spec, batch, hyper)
 
     def _owned_items(
@@ -179,6 +187,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
             state = self.state[p]
             if not state:
                 state.update(init_owned_state(p, spec, config, layouts[id(p)]))
+            self._placement.adopt(state)
             state["step"] += 1
             if local(p).numel() == 0:
                 continue  # a rank with no experts of this stack: nothing to compute
@@ -290,6 +299,35 @@ def _check_torch_class(
             "optimizer='muon' (or another registered name) for the (out, in) orientation",
             cls.__name__, len(stored), stored[:8],
         )
+
+
+def _placement(
+    offload_state: str | None,
+    matrices: list[nn.Parameter],
+    stacks: list[Any],
+    matrix_cls: type | None,
+    batch_same_shape: bool | None,
+) -> StatePlacement:
+    if offload_state not in (None, "cpu"):
+        raise ValueError(f"MatrixOptimizer.offload_state must be None or 'cpu', got {offload_state!r}")
+    if offload_state is not None:
+        if matrix_cls is not None:
+            raise NotImplementedError(
+                f"offload_state={offload_state!r} needs a registered step function; a "
+                f"torch.optim class ({matrix_cls.__name__}) keeps its own state on the device"
+            )
+        if stacks:
+            raise NotImplementedError(
+                f"offload_state={offload_state!r} does not cover the expert state of sharded "
+                f"stacks {[p.fqn for p in stacks]}; wrap with planner=LPTPlanner(stacks='whole')"
+            )
+        if batch_same_shape:
+            raise ValueError(
+                f"offload_state={offload_state!r} stages one matrix at a time; pass "
+                "batch_same_shape=False (or leave it None)"
+            )
+    device = matrices[0].device if matrices else torch.device("cpu")
+    return make_state_placement(offload_state, device)
 
 
 def _tail_inner(
