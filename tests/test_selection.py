@@ -351,3 +351,20 @@ def test_batched_step_of_views_and_blocks(one_rank: None, optimizer: str, varian
             assert torch.equal(a[fqn], b[fqn]), fqn
         torch.testing.assert_close(a[fqn].detach(), b[fqn].detach(), rtol=1e-5, atol=1e-6)
         assert not torch.allclose(a[fqn].detach(), before[fqn]), fqn
+
+
+def test_orientation_change_is_refused_on_load(one_rank: None, tmp_path: Path) -> None:
+    """Matrix state is saved in (out, in) of the saving plan: a turned matrix cannot take it."""
+    model = _Model()
+    mf.fully_shard_matrix(model)
+    opt = mf.MatrixOptimizer(model, "muon")
+    mf.checkpoint.save(tmp_path / "ck", model, opt, step=0)
+    turned = _Model()
+    for block in turned.layers:
+        block.experts.is_transposed = False  # now stored (E, out, in)
+    mf.fully_shard_matrix(turned)
+    assert mf.get_plan(turned)["layers.0.experts.up"].orientation == "out_in"
+    with pytest.raises(mf.checkpoint.CheckpointMismatchError,
+                       match=r"orientation changed.*'layers.0.experts.up' \(in_out -> out_in\)"):
+        mf.checkpoint.load(tmp_path / "ck", turned, mf.MatrixOptimizer(turned, "muon"))
+    mf.checkpoint.load(tmp_path / "ck", turned, weights_only=True)  # the weights alone still load
