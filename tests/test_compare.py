@@ -91,6 +91,11 @@ def test_run_state_refuses_another_configuration(tmp_path: Path) -> None:
     (tmp_path / "muon" / "metrics.jsonl").write_text(json.dumps({"step": 8}) + "\n")
     (tmp_path / "muon" / "summary.txt").write_text("done\n")
     assert run_state(cfg) == (RunState.FINISHED, 8)
+    (tmp_path / "muon" / "metrics.jsonl").write_text(json.dumps({"step": 8})[:5])  # cut by a kill
+    assert run_state(cfg) == (RunState.NEW, 0)
+    (tmp_path / "muon" / "config.json").write_text("{")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        run_state(cfg)
 
 
 # A small GPT (2 layers, dim 64, MLP 256, 64 bytes of context; unigram baseline 3.16 nats/byte)

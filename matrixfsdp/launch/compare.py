@@ -109,12 +109,19 @@ def run_state(cfg: TrainConfig) -> tuple[RunState, int]:
     out = Path(cfg.out)
     saved = out / "config.json"
     if saved.is_file():
-        stored, wanted = json.loads(saved.read_text()), cfg.model_dump(mode="json")
+        try:
+            stored = json.loads(saved.read_text())
+        except ValueError as exc:
+            raise ConfigError(f"{saved} is not valid JSON ({exc}); delete {out} to rerun it") from None
+        wanted = cfg.model_dump(mode="json")
         differ = sorted(k for k in stored.keys() | wanted.keys() if stored.get(k) != wanted.get(k))
         if differ:
             raise ConfigError(f"{out} holds a run with another configuration ({', '.join(differ)} "
                               f"differ); use another --out or delete {out}")
-    metrics = _metrics(out)
+    try:
+        metrics = _metrics(out)
+    except ValueError:  # a line cut by a kill: not finished; the resume rewrites the file
+        metrics = []
     if metrics and metrics[-1]["step"] >= cfg.steps and (out / "summary.txt").is_file():
         return RunState.FINISHED, cfg.steps
     from ..checkpoint import latest, read_layout

@@ -53,13 +53,14 @@ class TrainConfig(BaseModel):
 
     model: ModelConfig = ModelConfig()
     optimizer: OptimizerName = "muon"
-    # None = the optimizer's recommended value, filled in by _resolve_optimizer_defaults.
+    # Unset keys / None: the optimizer's recommended value, filled in by
+    # _resolve_optimizer_defaults (after validation they are never None).
     optimizer_kwargs: dict[str, Any] = Field(default_factory=dict)
     lr: float | None = Field(None, gt=0)
     weight_decay: float | None = Field(None, ge=0)
     tail_lr: float | None = Field(None, gt=0)
     tail_weight_decay: float | None = Field(None, ge=0)
-    defaults_applied: list[str] = Field(default_factory=list)
+    defaults_applied: list[str] = Field(default_factory=list)  # the fields filled in that way
     warmup_steps: int = Field(20, ge=0)
     steps: int = Field(400, ge=1)
     global_batch: int = Field(16, ge=1)
@@ -148,8 +149,9 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> TrainConfig
             user_set.add(key)
         else:
             data[key] = value
-            user_set.update([key, *(f"optimizer_kwargs.{k}" for k in value)]
-                            if key == "optimizer_kwargs" and isinstance(value, dict) else [key])
+            user_set.add(key)
+            if key == "optimizer_kwargs" and isinstance(value, dict):
+                user_set.update(f"optimizer_kwargs.{k}" for k in value)
     if isinstance(data.get("defaults_applied"), (list, tuple)):
         data["defaults_applied"] = [k for k in data["defaults_applied"] if k not in user_set]
     try:
