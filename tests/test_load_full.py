@@ -314,3 +314,16 @@ def _world(rank: int, world: int, root: str) -> None:
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_streaming_full_loads(sources: str, world: int) -> None:
     run_world(world, _world, sources)
+
+
+def test_load_memory_benchmark_smoke() -> None:
+    """``python -m benchmarks.load_memory`` at tiny size (the loss check across variants runs)."""
+    from benchmarks.load_memory import run
+
+    out = run(["--world", "2", "--dim", "64", "--layers", "2", "--vocab", "128", "--repeats", "1",
+               "--inits", "eager", "meta", "--loads", "stream"])
+    stream = out["results"]["eager+stream"]
+    assert 0.4 < stream["params_ratio"] < 0.7, stream  # about half of the model on each rank
+    assert stream["peak"] >= stream["params"] > 0
+    meta = out["results"]["meta+stream"]
+    assert "pending" in meta or meta["loss"] == stream["loss"], meta

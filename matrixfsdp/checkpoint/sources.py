@@ -306,6 +306,7 @@ class ShardedSource(TensorSource):
         self._files = {shard: open_file(root / shard) for shard in sorted(set(self._where.values()))}
         self._check_files_exist(root)
         self._infos: dict[str, TensorInfo] | None = None
+        self._current: str | None = None
 
     def _check_files_exist(self, root: Path) -> None:
         for shard in self._files:
@@ -332,11 +333,16 @@ class ShardedSource(TensorSource):
         return self._infos
 
     def read(self, key: str, index: Index | None = None) -> torch.Tensor:
-        return self._files[self._where[key]].read(key, index)
+        shard = self._where[key]
+        if self._current not in (None, shard):  # one mapped file at a time
+            self._files[self._current].close()
+        self._current = shard
+        return self._files[shard].read(key, index)
 
     def close(self) -> None:
         for source in self._files.values():
             source.close()
+        self._current = None
 
 
 def open_hf_dir(path: Path) -> TensorSource | None:
