@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import matrixfsdp as mf
 from matrixfsdp import checkpoint as ck
+from matrixfsdp.checkpoint import sources as sources_module
 from matrixfsdp.checkpoint._streaming import local_index
 
 from .checks import assert_close_dicts, count_collectives, full_values, reference_values
@@ -269,6 +270,9 @@ def _bad_inputs(rank: int, world: int, root: str) -> None:
         with _recording() as log, pytest.raises(error, match=match):
             ck.load_full_state_dict(model, Path(root) / "bad" / case)
         assert not log, f"{case}: tensors were read before the load was refused: {log}"
+    with mock.patch.object(sources_module, "MAX_INDEX_BYTES", 100), pytest.raises(
+            ck.CorruptCheckpointError, match=r"index\.json: \d+ bytes, more than"):
+        ck.load_full_state_dict(model, Path(root) / "sharded")
     assert_close_dicts(_values(model), before, 0.0, "model after refused loads")
     result = ck.load_full_state_dict(model, Path(root) / "bad" / "missing_key", strict=False)
     assert result == ck.LoadResult(["layers.2.attn.k.weight"], [])

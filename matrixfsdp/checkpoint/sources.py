@@ -37,6 +37,7 @@ from .errors import CheckpointMismatchError, CheckpointNotFoundError, CorruptChe
 __all__ = [
     "HF_FILES",
     "MAPPED_BYTES_BUDGET",
+    "MAX_INDEX_BYTES",
     "MappingSource",
     "SafetensorsFile",
     "ShardIndex",
@@ -52,6 +53,9 @@ logger = logging.getLogger(__name__)
 
 MAPPED_BYTES_BUDGET = 8 << 20
 """Bytes read through one open memory-mapped handle before it is reopened (see the Note)."""
+
+MAX_INDEX_BYTES = 64 << 20
+"""Largest index JSON read (the largest public ones are a few MB)."""
 
 # Checked in this order (Hugging Face's own preference): single file, then index + shards.
 HF_FILES = (
@@ -286,6 +290,12 @@ class ShardIndex(BaseModel):
 
 def read_index(path: Path) -> ShardIndex:
     """Parse and validate an index JSON; ``CorruptCheckpointError`` names what is wrong."""
+    size = path.stat().st_size
+    if size > MAX_INDEX_BYTES:
+        raise CorruptCheckpointError(
+            f"{path}: {size} bytes, more than an index of tensor names needs "
+            f"(MAX_INDEX_BYTES = {MAX_INDEX_BYTES})"
+        )
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
