@@ -170,16 +170,16 @@ def _summary(runs: list[list[dict[str, Any]]], total: int) -> dict[str, Any]:
 
 def _table(results: dict[str, dict[str, Any]], total: int) -> list[str]:
     lines = ["| init | load | peak / rank | x full model | load extra / rank | x full | "
-             "params / rank | load s |", "|---|---|---|---|---|---|---|---|"]
+             "params / rank | spread | load s |", "|---|---|---|---|---|---|---|---|---|"]
     for name, r in results.items():
         init, load = name.split("+")
         if "pending" in r:
-            lines.append(f"| {init} | {load} | pending: {r['pending']} | | | | | |")
+            lines.append(f"| {init} | {load} | pending: {r['pending']} | | | | | | |")
             continue
         lines.append(
             f"| {init} | {load} | {r['peak'] / MiB:.0f} MiB | {r['peak_ratio']:.3f} | "
             f"{r['load_extra'] / MiB:.0f} MiB | {r['load_extra_ratio']:.3f} | "
-            f"{r['params'] / MiB:.0f} MiB | {r['seconds']:.2f} |")
+            f"{r['params'] / MiB:.0f} MiB | {r['spread'] / MiB:.1f} MiB | {r['seconds']:.2f} |")
     return lines
 
 
