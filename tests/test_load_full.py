@@ -52,17 +52,23 @@ def _state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
 
 
-def _write_index_dir(path: Path, tensors: dict[str, torch.Tensor], **extra) -> None:
+def _write_index_dir(path: Path, tensors: dict[str, torch.Tensor], bin_files: bool = False,
+                     **extra) -> None:
     """An HF sharded directory: the first half of the keys in shard 1, the rest in shard 2."""
     path.mkdir(parents=True, exist_ok=True)
     keys = list(tensors)
-    split = {SHARD_NAMES[0]: keys[: len(keys) // 2], SHARD_NAMES[1]: keys[len(keys) // 2 :]}
+    shards = [n.replace(".safetensors", ".bin") if bin_files else n for n in SHARD_NAMES]
+    split = {shards[0]: keys[: len(keys) // 2], shards[1]: keys[len(keys) // 2 :]}
     for shard, names in split.items():
-        safetensors_torch.save_file({k: tensors[k] for k in names}, str(path / shard),
-                                    metadata={"format": "pt"})
+        part = {k: tensors[k] for k in names}
+        if bin_files:
+            torch.save(part, path / shard)
+        else:
+            safetensors_torch.save_file(part, str(path / shard), metadata={"format": "pt"})
     index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
              "weight_map": {k: s for s, names in split.items() for k in names}, **extra}
-    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    name = "pytorch_model.bin.index.json" if bin_files else "model.safetensors.index.json"
+    (path / name).write_text(json.dumps(index))
 
 
 def _edit_index(path: Path, change) -> None:
@@ -130,6 +136,7 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> str:
     (root / "single").mkdir()
     safetensors_torch.save_file(hf, str(root / "single" / "model.safetensors"))
     _write_index_dir(root / "sharded", state, extra_field={"tool": "test"})
+    _write_index_dir(root / "sharded_bin", state, bin_files=True)
     _write_index_dir(root / "moe", _state(_moe()))
     _write_index_dir(root / "bf16", {k: v.bfloat16() for k, v in state.items()})
     tied = _state(_plain(tie=True))
@@ -219,8 +226,9 @@ def _values(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def _loads_exactly(rank: int, world: int, root: str) -> None:
     want = reference_values(_plain())
-    for label, source in (("single file, model. prefix", "single"), ("index + 2 shards", "sharded"),
-                          ("torch.save file", "plain.pt")):
+    cases = {"single file, model. prefix": "single", "index + 2 shards": "sharded",
+             "torch.save file": "plain.pt", "pytorch_model.bin index": "sharded_bin"}
+    for label, source in cases.items():
         model = _wrapped()
         result = ck.load_full_state_dict(model, Path(root) / source)
         assert result == ck.LoadResult([], []), f"{label}: {result}"
