@@ -256,7 +256,7 @@ def open_file(path: Path) -> TensorSource:
     return SafetensorsFile(path) if path.suffix == ".safetensors" else TorchFile(path)
 
 
-# -- sharded Hugging Face directories ---------------------------------------------------------------
+# -- sharded Hugging Face directories -------------------------------------------------------------
 def _check_shard_name(name: str) -> str:
     parts = PurePosixPath(name).parts
     if (not name or "\\" in name or "\x00" in name or name.startswith("/")
@@ -313,7 +313,8 @@ class ShardedSource(TensorSource):
         self.name, self._index_path = str(index_path.parent), index_path
         self._where = dict(index.weight_map)
         root = index_path.parent
-        self._files = {shard: open_file(root / shard) for shard in sorted(set(self._where.values()))}
+        shards = sorted(set(self._where.values()))
+        self._files = {shard: open_file(root / shard) for shard in shards}
         self._check_files_exist(root)
         self._infos: dict[str, TensorInfo] | None = None
         self._current: str | None = None
