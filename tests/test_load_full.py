@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import matrixfsdp as mf
 from matrixfsdp import checkpoint as ck
@@ -269,6 +269,13 @@ def _local_index_matches_dtensor(rank: int, world: int) -> None:
             dt = distribute_tensor(full, mesh, [Shard(dim)], src_data_rank=None)
             index = local_index(dt, "probe")
             assert torch.equal(full[index], dt.to_local()), (rows, dim, index)
+    if world == 4:  # 2-D meshes (HSDP-style): replicate x shard, and nested shards of one dim
+        mesh2 = init_device_mesh("cpu", (2, 2))
+        full = torch.arange(7 * 5, dtype=torch.float32).view(7, 5)
+        for placements in ([Replicate(), Shard(0)], [Shard(0), Shard(0)], [Shard(1), Shard(0)]):
+            dt = distribute_tensor(full, mesh2, placements, src_data_rank=None)
+            index = local_index(dt, "probe")
+            assert torch.equal(full[index], dt.to_local()), (placements, index)
 
 
 def _bad_inputs(rank: int, world: int, root: str) -> None:
