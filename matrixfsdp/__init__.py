@@ -20,13 +20,16 @@ _EXPORTS = {
     "get_plan": "matrixfsdp.api",
     "get_state": "matrixfsdp.api",
     "is_matrix_wrapped": "matrixfsdp.api",
+    "quiesce": "matrixfsdp.api",
     "set_requires_gradient_sync": "matrixfsdp.api",
     "MatrixOptimizer": "matrixfsdp.optim",
     "register_matrix_optimizer": "matrixfsdp.optim",
     "LPTPlanner": "matrixfsdp.planner",
     "Plan": "matrixfsdp.planner",
 }
-_SUBMODULES = {"api", "checkpoint", "collectives", "optim", "planner", "runtime", "launch"}
+_SUBMODULES = {
+    "api", "checkpoint", "collectives", "memory", "optim", "planner", "runtime", "launch",
+}
 
 __all__ = [
     "LPTPlanner",
@@ -39,19 +42,22 @@ __all__ = [
     "get_plan",
     "get_state",
     "is_matrix_wrapped",
+    "memory",
     "planner",
+    "quiesce",
     "register_matrix_optimizer",
     "set_requires_gradient_sync",
 ]
 
 if TYPE_CHECKING:
-    from . import checkpoint, planner
+    from . import checkpoint, memory, planner
     from .api import (
         clip_grad_norm_,
         fully_shard_matrix,
         get_plan,
         get_state,
         is_matrix_wrapped,
+        quiesce,
         set_requires_gradient_sync,
     )
     from .optim import MatrixOptimizer, register_matrix_optimizer

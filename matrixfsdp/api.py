@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Literal
 
 import torch
@@ -16,7 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from .collectives import Phase, TorchOwnerComm, comm_phase
 from .planner import Plan, make_plan
-from .runtime import MatrixFSDPState, MatrixGroup, MatrixParam
+from .runtime import MatrixFSDPState, MatrixGroup, MatrixParam, in_backward
 from .runtime.selection import MatrixFilter, ParamSite, default_groups, param_specs, select_params
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "get_plan",
     "get_state",
     "is_matrix_wrapped",
+    "quiesce",
     "set_requires_gradient_sync",
 ]
 
@@ -47,9 +49,13 @@ def fully_shard_matrix(
     """Shard ``model`` owner-style: each selected matrix whole on one rank, the tail in FSDP2.
 
     Args:
-        model: the plain (unwrapped) model, already on the mesh's device type.
+        model: the plain (unwrapped) model, on the mesh's device type or wholly on ``meta``
+            (then call ``model.to_empty(device=...)`` and initialize after wrapping: each rank
+            allocates only its owned matrices and tail shards).
         mesh: a 1-D ``DeviceMesh``; ``None`` builds one over the default process group on the
-            device type of the model's parameters (CPU parameters mean a gloo CPU mesh).
+            device type of the model's parameters (CPU parameters mean a gloo CPU mesh), or, for
+            a model on ``meta``, on the default process group's device type (nccl: cuda, gloo:
+            cpu).
         groups: communication units (one gather and one reduction each); ``None`` means every
             child of each outermost ``nn.ModuleList`` (the blocks), then the root.
         matrix_filter: ``(fqn, param) -> bool`` choosing the matrices; ``None`` selects the 2-D
@@ -69,7 +75,8 @@ def fully_shard_matrix(
     _check_not_wrapped(model)
     mesh = _resolve_mesh(model, mesh)
     group_modules = _resolve_groups(model, groups)
-    sites = select_params(model, group_modules, matrix_filter, mesh.device_type)
+    device_type = "meta" if _all_meta(model) else mesh.device_type
+    sites = select_params(model, group_modules, matrix_filter, device_type)
     plan = make_plan(param_specs(sites), mesh.size(), planner)
     if collectives not in ("auto", "alltoall", "p2p"):
         raise ValueError(
@@ -93,6 +100,7 @@ def fully_shard_matrix(
         reshard_after_forward=reshard_after_forward,
     )
     state.register_hooks()
+    _register_refresh_hooks(model, state)
     model.__dict__[_STATE_ATTR] = state
     for fqn, note in plan.notes.items():
         logger.warning("matrixfsdp: %s: %s", fqn, note)
@@ -121,6 +129,16 @@ def is_matrix_wrapped(model: nn.Module) -> bool:
 def get_plan(model: nn.Module) -> Plan:
     """The owner plan the model was wrapped with (a pydantic ``Plan``)."""
     return get_state(model).plan
+
+
+def quiesce(model: nn.Module) -> None:
+    """Complete or discard every collective the runtime has in flight (local, no collective).
+
+    Call it before changing parameters by hand (``with torch.no_grad(): p.mul_(...)``) after a
+    forward that may have stopped early. ``MatrixOptimizer.step``, ``model.load_state_dict`` and
+    the ``matrixfsdp.checkpoint`` load paths call it themselves. See ``MatrixFSDPState.quiesce``.
+    """
+    get_state(model).quiesce()
 
 
 def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -> None:
@@ -211,11 +229,72 @@ def _resolve_mesh(model: nn.Module, mesh: DeviceMesh | None) -> DeviceMesh:
     param = next(model.parameters(), None)
     device_type = param.device.type if param is not None else "cpu"
     if device_type == "meta":
-        raise ValueError(
-            "the model's parameters are on 'meta'; materialize them (to_empty + init) before "
-            "fully_shard_matrix"
-        )
+        device_type = _backend_device_type()
     return init_device_mesh(device_type, (dist.get_world_size(),))
+
+
+def _all_meta(model: nn.Module) -> bool:
+    params = list(model.parameters())
+    return bool(params) and all(p.is_meta for p in params)
+
+
+def _backend_device_type() -> str:
+    """The device type the default process group communicates on (for a model on ``meta``)."""
+    backend = str(dist.get_backend()).lower()
+    if "nccl" in backend and ("gloo" not in backend or torch.cuda.is_available()):
+        return "cuda"
+    if "xccl" in backend:
+        return "xpu"
+    if "gloo" in backend:
+        return "cpu"
+    raise ValueError(
+        f"cannot tell the device type of process-group backend {backend!r} for a model on "
+        "'meta'; pass mesh=init_device_mesh(<device type>, (world_size,))"
+    )
+
+
+def _register_refresh_hooks(model: nn.Module, state: MatrixFSDPState) -> None:
+    """Keep the runtime valid across ``to_empty``/``_apply`` and ``load_state_dict``.
+
+    As FSDP2 does, the runtime refreshes what it caches right after ``nn.Module._apply`` (which
+    may replace a module's parameter objects, e.g. ``to_empty`` from ``meta``) and after
+    ``load_state_dict`` (``assign=True`` replaces them); both first retire pending collectives.
+    """
+    by_module: dict[int, tuple[nn.Module, list[MatrixParam]]] = {}
+    for mp in state.params.values():
+        by_module.setdefault(id(mp.module), (mp.module, []))[1].append(mp)
+    for module, params in by_module.values():
+        original = module._apply
+        module._apply = functools.partial(_apply_and_refresh, state, original, params)
+        module.register_load_state_dict_post_hook(
+            functools.partial(_refresh_after_load, params)
+        )
+    # As FSDP2 reshards before state_dict()/load_state_dict(): whoever gets the parameters to
+    # read or fill (checkpoint save/load, load_full_state_dict, ...) finds nothing in flight.
+    model.register_state_dict_pre_hook(lambda *args, **kwargs: _quiesce_outside_backward(state))
+    model._register_load_state_dict_pre_hook(
+        lambda *args, **kwargs: _quiesce_outside_backward(state)
+    )
+
+
+def _quiesce_outside_backward(state: MatrixFSDPState) -> None:
+    if not in_backward():
+        state.quiesce()
+
+
+def _apply_and_refresh(state: MatrixFSDPState, original: Callable[..., nn.Module],
+                       params: Sequence[MatrixParam], fn: Callable, *args: object,
+                       **kwargs: object) -> nn.Module:
+    state.retire_pending()  # FSDP2's own _apply reshards the tail
+    out = original(fn, *args, **kwargs)
+    for mp in params:
+        mp.refresh()
+    return out
+
+
+def _refresh_after_load(params: Sequence[MatrixParam], module: nn.Module, incompatible: object) -> None:
+    for mp in params:
+        mp.refresh()
 
 
 def _resolve_groups(model: nn.Module, groups: Sequence[nn.Module] | None) -> list[nn.Module]:

@@ -246,6 +246,7 @@ def load(
     path = Path(path)
     layout, metadata = open_checkpoint(path)
     runtime = get_state(model)
+    runtime.quiesce()  # nothing in flight may read a parameter this load writes
     group = sd.mesh_group(runtime)
     rank = group_rank(group)
     current = sd.model_entries(model, runtime)

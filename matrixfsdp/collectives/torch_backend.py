@@ -11,7 +11,7 @@ from torch.profiler import record_function
 
 from .base import CommCounter, OwnerComm, Pending
 
-__all__ = ["TorchOwnerComm"]
+__all__ = ["TorchOwnerComm", "uses_p2p"]
 
 GatherImpl = Literal["auto", "alltoall", "broadcast"]
 ReduceImpl = Literal["auto", "alltoall", "reduce"]
@@ -62,11 +62,7 @@ class TorchOwnerComm(OwnerComm):
         ]
 
     def _use_p2p(self, impl: str, numels: Sequence[int]) -> bool:
-        """Whether to use one broadcast/reduce per segment instead of one all-to-all."""
-        if impl != "auto":
-            return impl in ("broadcast", "reduce")
-        owners = sum(1 for n in numels if n)
-        return owners < (self.world_size - 1) / 2
+        return uses_p2p(impl, numels, self.world_size)
 
     # -- all-gather-v -----------------------------------------------------------------------------
     def all_gather_v(
@@ -176,6 +172,14 @@ class TorchOwnerComm(OwnerComm):
                 dist.all_reduce(value, op=ops[op], group=self.group)
             self.counter.record("all_reduce_scalar", _nbytes(value), _nbytes(value))
         return value
+
+
+def uses_p2p(impl: str, numels: Sequence[int], world_size: int) -> bool:
+    """Whether a group moves by one broadcast/reduce per segment instead of one all-to-all."""
+    if impl != "auto":
+        return impl in ("broadcast", "reduce", "p2p")
+    owners = sum(1 for n in numels if n)
+    return owners < (world_size - 1) / 2
 
 
 class _SumOnWait(Pending):

@@ -62,6 +62,12 @@ class MatrixGroup:
         self.reduce_numels = [sum(p.numel + 1 for p in owned) for owned in self.trainable_by]
         self.state = GroupState.SHARDED
         self._gather: tuple[list[torch.Tensor], Pending] | None = None
+        self.begin_iteration()
+
+    def begin_iteration(self) -> None:
+        """Reset this group's progress through one forward/backward (see the state's Note)."""
+        self.backwards_pending = 0  # forward calls whose backward has not completed yet
+        self.grads_reduced = False  # its reduction was issued this iteration
 
     # -- unshard / reshard ------------------------------------------------------------------------
     def unshard(self, *, async_op: bool = False) -> None:
@@ -98,9 +104,15 @@ class MatrixGroup:
         self.state = GroupState.UNSHARDED
 
     def reshard(self) -> None:
-        """Free non-owned storage (owners keep their pinned matrices)."""
+        """Free non-owned storage (owners keep their pinned matrices).
+
+        A gather still in flight is waited and its output dropped (the collective must complete
+        before its buffers can go, but nothing is copied into storage about to be freed).
+        """
         if self.state is GroupState.GATHERING:
-            self.wait_unshard()
+            assert self._gather is not None  # internal invariant of the state machine
+            self._gather[1].wait()
+            self._gather = None
         for p in self.params:
             p.free()
         self.state = GroupState.SHARDED
