@@ -30,7 +30,7 @@ from matrixfsdp.checkpoint._streaming import local_index
 
 from .checks import assert_close_dicts, count_collectives, full_values, reference_values
 from .dist_utils import run_subtests, run_world
-from .models import TinyTransformer
+from .models import TinyTransformer, global_batch, lm_loss
 from .test_experts import TinyMoE, _stacks_and_gates
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -313,6 +313,24 @@ def _names_and_ties(rank: int, world: int, root: str) -> None:
     assert_close_dicts(got, want, 0.0, "key_map")
 
 
+def _load_after_early_stopped_forward(rank: int, world: int, root: str) -> None:
+    """A prefetched gather in flight (a prefix evaluated) is retired before the load writes."""
+    model = _wrapped()
+    state = mf.get_state(model)
+    tokens = global_batch(0)
+    with torch.no_grad():
+        for _ in range(2):  # the second forward adopts the first one's order for prefetching
+            lm_loss(model, tokens)
+        model.layers[0](torch.randn(2, 5, 16))
+    assert len(state.queue) == 1, "expected the next block's gather to be prefetched"
+    ck.load_full_state_dict(model, Path(root) / "sharded")
+    assert len(state.queue) == 0
+    assert_close_dicts(_values(model), reference_values(_plain()), 0.0, "load after a prefix")
+    with torch.no_grad():
+        got, want = lm_loss(model, tokens), lm_loss(_plain(), tokens)
+    assert torch.allclose(got, want, rtol=1e-6, atol=0), (got, want)
+
+
 def _world(rank: int, world: int, root: str) -> None:
     subtests = {
         "loads_exactly": functools.partial(_loads_exactly, rank, world, root),
@@ -326,6 +344,8 @@ def _world(rank: int, world: int, root: str) -> None:
     if world == 2:
         subtests["bad_inputs"] = functools.partial(_bad_inputs, rank, world, root)
         subtests["names_and_ties"] = functools.partial(_names_and_ties, rank, world, root)
+        subtests["early_stopped_forward"] = functools.partial(
+            _load_after_early_stopped_forward, rank, world, root)
     run_subtests(rank, subtests)
     dist.barrier()
 

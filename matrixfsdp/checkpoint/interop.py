@@ -213,16 +213,6 @@ def _read_keys(wanted: dict[str, _Wanted], renamed: dict[str, str],
 
 
 # -- import: loading -------------------------------------------------------------------------------
-def _settle_runtime(runtime: MatrixFSDPState) -> None:
-    """No collective may be in flight across a mutation: called once per load, after all
-    validation and before the first parameter is written.
-
-    INTEGRATION POINT: the runtime's entry point that waits for (or discards) prefetched gathers
-    is being added on the issue-10 branch; call it here once it is on main.
-    """
-    del runtime
-
-
 def _detect_prefix(metadata: Metadata, wanted: dict[str, _Wanted], path: Path) -> str:
     saved = {k for k, v in metadata.state_dict_metadata.items()
              if isinstance(v, TensorStorageMetadata)}
@@ -248,7 +238,7 @@ def _load_dcp_dir(model: nn.Module, runtime: MatrixFSDPState, path: Path,
              and k[len(prefix):] in wanted}
     result = _check_source(wanted, infos, {k: k for k in infos}, str(path), strict, {})
     targets = model_targets(model, runtime, infos, prefix=prefix)
-    _settle_runtime(runtime)
+    runtime.quiesce()  # nothing in flight may read a parameter this load writes
     with torch.no_grad(), dcp_errors(f"reading {path}"):
         dcp.load(targets, storage_reader=SafeFileSystemReader(str(path)),
                  process_group=mesh_group(runtime))
@@ -280,7 +270,7 @@ def _load_from(model: nn.Module, runtime: MatrixFSDPState, source: TensorSource,
     aliases = alias_groups(model)
     result = _check_source(wanted, infos, renamed, source.name, strict, aliases)
     reads = plan_reads(model, runtime, _read_keys(wanted, renamed, aliases))
-    _settle_runtime(runtime)
+    runtime.quiesce()  # nothing in flight may read a parameter this load writes
     copy_reads(source, reads)
     logger.info("matrixfsdp.checkpoint: loaded %d tensors from %s (%d read on this rank, %.1f MiB)",
                 len(wanted) - len(result.missing_keys), source.name, len(reads),
