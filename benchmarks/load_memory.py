@@ -117,12 +117,15 @@ def _param_bytes(model: torch.nn.Module) -> int:
 TINY = ModelConfig(dim=32, layers=1, heads=1, mlp_hidden=64, vocab=64, seq_len=8)
 
 
-def _warm_up(path: Path) -> int:
-    """Wrap and load a tiny model once: the one-time library initialization (lazy imports of
-    FSDP2/DTensor internals, safetensors) is then not counted; returns its RSS growth."""
+def _warm_up(path: Path, init: str) -> int:
+    """Build, wrap and load a tiny model the same way once: one-time library initialization
+    (lazy imports of FSDP2/DTensor internals, safetensors) is then not counted; returns its RSS
+    growth."""
     before = rss_bytes()
-    model = GPT(TINY)
-    mf.fully_shard_matrix(model)
+    try:
+        model = _build(TINY, init)
+    except ValueError:  # meta init unsupported: reported by the measured build
+        model = _build(TINY, "eager")
     mf.checkpoint.load_full_state_dict(model, path)
     del model
     gc.collect()
@@ -132,7 +135,7 @@ def _warm_up(path: Path) -> int:
 def _worker(rank: int, world: int, cfg: ModelConfig, init: str, load: str, path: str
             ) -> dict[str, Any]:
     track_live_memory()
-    warm_up = _warm_up(Path(path) / "tiny")
+    warm_up = _warm_up(Path(path) / "tiny", init)
     gc.collect()
     dist.barrier()
     start = rss_bytes()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import json
 import math
 import os
@@ -35,6 +36,10 @@ from .test_experts import TinyMoE, _stacks_and_gates
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
+HAVE_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+# GPT-2: Conv1D weights (in, out) and an lm_head tied to the embedding, absent from the files.
+# (MoE models are left out: transformers 5 saves their fused 3-D expert stacks per expert.)
+HF_MODELS = ("llama", "gpt2")
 SHARD_NAMES = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
 
 
@@ -143,6 +148,11 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> str:
     _write_index_dir(root / "tied", {k: v for k, v in tied.items() if k != "head.weight"})
     torch.save(state, root / "plain.pt")
     _bad_sources(root / "bad", state)
+    if HAVE_TRANSFORMERS:  # real Hugging Face save_pretrained directories, several shards each
+        from benchmarks.hf_selection import build
+
+        for name in HF_MODELS:
+            build(name, seed=0).save_pretrained(root / f"hf_{name}", max_shard_size="20KB")
     return str(root)
 
 
@@ -331,6 +341,17 @@ def _load_after_early_stopped_forward(rank: int, world: int, root: str) -> None:
     assert torch.allclose(got, want, rtol=1e-6, atol=0), (got, want)
 
 
+def _hf_models(rank: int, world: int, root: str) -> None:
+    """``save_pretrained`` directories of transformers models load exactly, default selection."""
+    from benchmarks.hf_selection import build
+
+    for name in HF_MODELS:
+        model = build(name, seed=1)
+        mf.fully_shard_matrix(model)
+        assert ck.load_full_state_dict(model, Path(root) / f"hf_{name}") == ck.LoadResult([], [])
+        assert_close_dicts(_values(model), reference_values(build(name, seed=0)), 0.0, name)
+
+
 def _world(rank: int, world: int, root: str) -> None:
     subtests = {
         "loads_exactly": functools.partial(_loads_exactly, rank, world, root),
@@ -341,6 +362,8 @@ def _world(rank: int, world: int, root: str) -> None:
     for stacks in ("whole", "slices") if world in (3, 4) else ():
         subtests[f"moe_{stacks}"] = functools.partial(_reads_only_what_it_keeps, rank, world,
                                                       root, stacks)
+    if world in (2, 3) and HAVE_TRANSFORMERS:
+        subtests["hf_models"] = functools.partial(_hf_models, rank, world, root)
     if world == 2:
         subtests["bad_inputs"] = functools.partial(_bad_inputs, rank, world, root)
         subtests["names_and_ties"] = functools.partial(_names_and_ties, rank, world, root)
@@ -359,7 +382,7 @@ def test_load_memory_benchmark_smoke() -> None:
     """``python -m benchmarks.load_memory`` at tiny size (the loss check across variants runs)."""
     from benchmarks.load_memory import run
 
-    out = run(["--world", "2", "--dim", "64", "--layers", "2", "--vocab", "128", "--repeats", "1",
+    out = run(["--world", "2", "--dim", "256", "--layers", "2", "--vocab", "512", "--repeats", "1",
                "--inits", "eager", "meta", "--loads", "stream"])
     stream = out["results"]["eager+stream"]
     assert 0.4 < stream["params_ratio"] < 0.7, stream  # about half of the model on each rank
