@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.config import STRATEGIES, STRATEGY_LABELS, BenchConfig
+from benchmarks.analysis import PHASES
+from benchmarks.config import MEMORY_BASELINES, STRATEGIES, STRATEGY_LABELS, BenchConfig
 from benchmarks.costmodel import fit_alpha_beta, project
 from benchmarks.run import run
 from benchmarks.strategies.base import chunk_sizes, local_rows
@@ -29,7 +30,8 @@ def test_report_files_name_every_strategy(tiny: tuple[dict, Path]) -> None:
     for name in STRATEGIES:
         assert STRATEGY_LABELS[name] in text, f"{name} missing from the markdown report"
     for needle in ("Command: `python -m benchmarks.run --tiny", "torch ", "cores", "Targets:",
-                   "projected: Llama-2-7B", "gloo loopback fits"):
+                   "projected: Llama-2-7B", "gloo loopback fits",
+                   "Peak memory per rank during the step"):
         assert needle in text, needle
     data = json.loads(out.with_suffix(".json").read_text())
     assert set(data["runs"]["muon"]["worlds"]["2"]["strategies"]) == set(STRATEGIES)
@@ -57,6 +59,10 @@ def test_figures_are_sane(tiny: tuple[dict, Path]) -> None:
     assert s["fsdp2_recon"]["comm"]["optimizer"]["calls"] == 2 * matrices
     assert s["gather_once"]["comm"]["optimizer"]["calls"] == 2
     assert max(run2["loss_diff_vs_ddp"].values()) < 1e-4
+    memory = run2["memory"]  # peak during each phase, every strategy + the memory baselines
+    assert set(memory) == {*STRATEGIES, *MEMORY_BASELINES}
+    for name, m in memory.items():
+        assert all(m["live"][ph] >= m["live_start"] > 0 and m["rss"][ph] > 0 for ph in PHASES), name
     assert all(c["match"] for c in run2["schedule_check"].values()), run2["schedule_check"]
     assert run2["contention"] > 0 and run2["ideal_optimizer_s"] > 0
     for name, p in run2["predicted"].items():
@@ -69,6 +75,16 @@ def test_projection_shape(tiny: tuple[dict, Path]) -> None:
     assert proj["matrixfsdp"]["recv_bytes"]["optimizer"] == 0
     assert proj["fsdp2_recon"]["optimizer_s"] > 10 * proj["matrixfsdp"]["optimizer_s"]
     assert proj["zero1_owner"]["resident"]["params"] > 30 * proj["matrixfsdp"]["resident"]["params"]
+
+
+@pytest.mark.parametrize("preset", ["llama3-8b", "llama3-70b"])
+def test_memory_projection(preset: str) -> None:
+    from benchmarks.memory import project_peak
+
+    for world in (8, 64):
+        p = project_peak(preset, world)
+        assert p["fsdp2_recon"] >= p["fsdp2_sgdm"] > p["model_bytes"] / world
+        assert 0.9 * p["fsdp2_sgdm"] < p["matrixfsdp"] < 1.15 * p["fsdp2_sgdm"], (world, p)
 
 
 def test_alpha_beta_fit_recovers_a_line() -> None:

@@ -8,6 +8,7 @@ from .base import Strategy, StrategyContext, owner_plan, planner_for, tensor_byt
 from .replicated import DDPStrategy, Zero1OwnerStrategy
 from .sharded import (
     FSDP2AdamWStrategy,
+    FSDP2SGDMomentumStrategy,
     GatherOnceStrategy,
     MatrixFSDPP2PStrategy,
     MatrixFSDPStrategy,
@@ -27,7 +28,8 @@ __all__ = [
 STRATEGY_CLASSES: dict[str, type[Strategy]] = {
     cls.name: cls
     for cls in (DDPStrategy, ReconstructionStrategy, GatherOnceStrategy, Zero1OwnerStrategy,
-                MatrixFSDPStrategy, MatrixFSDPP2PStrategy, FSDP2AdamWStrategy)
+                MatrixFSDPStrategy, MatrixFSDPP2PStrategy, FSDP2AdamWStrategy,
+                FSDP2SGDMomentumStrategy)
 }
 
 

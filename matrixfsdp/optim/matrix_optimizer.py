@@ -147,8 +147,8 @@ class MatrixOptimizer(torch.optim.Optimizer):
 
         The parameters are routed by whether the runtime manages them as matrices (a group must
         not mix the two). Unset hyperparameters come from the first group of the same kind; for
-        a matrix group, keys other than ``lr``/``weight_decay``/``initial_lr`` are matrix
-        optimizer keywords (e.g. ``momentum``).
+        a matrix group, keys other than ``lr``/``weight_decay``/``initial_lr``/``split`` are
+        matrix optimizer keywords (e.g. ``momentum``).
         """
         if "kind" not in param_group:  # a user's group (our own groups arrive with their kind)
             param_group = self._route(param_group)
@@ -179,7 +179,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
 
     def _matrix_group_defaults(self, group: dict[str, Any]) -> dict[str, Any]:
         base = next(g for g in self.param_groups if g["kind"] == "matrix")
-        own = {"params", "lr", "weight_decay", "initial_lr"}
+        own = {"params", "lr", "weight_decay", "initial_lr", "split"}
         kwargs = {**base["matrix_kwargs"], **{k: v for k, v in group.items() if k not in own}}
         if self._spec is not None:
             config = self._spec.make_config(kwargs)  # validates, naming the bad field
@@ -189,7 +189,8 @@ class MatrixOptimizer(torch.optim.Optimizer):
         return {"params": group["params"], "kind": "matrix", "lr": lr,
                 "initial_lr": group.get("initial_lr", lr),
                 "weight_decay": group.get("weight_decay", base["weight_decay"]),
-                "optimizer": base["optimizer"], "matrix_kwargs": kwargs}
+                "optimizer": base["optimizer"], "matrix_kwargs": kwargs,
+                "split": group.get("split", base.get("split") or {})}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
