@@ -16,6 +16,10 @@
 - The plan is a pure function of (names, shapes, dtypes, roles, groups, world size, planner
   options): identical on every rank, across runs and after a restart. Checkpoints record it and
   resharding recomputes it, so nothing here may depend on process state.
+- *mesh shape*: ``(replicate, shard)`` of the mesh the model was wrapped on. Owners are planned
+  over the shard dim (``world_size`` = shard size) and the same plan holds in every replica
+  (HSDP); a flat mesh is ``(1, world_size)``. Plans written before it existed have ``None``
+  (read as flat); ``plan_hash`` covers it when set and leaves such plans' digests unchanged.
 """
 
 from __future__ import annotations
@@ -122,6 +126,7 @@ class Plan(BaseModel):
     planner: str = "lpt-bytes"
     params: tuple[ParamPlacement, ...]
     notes: dict[str, str] = Field(default_factory=dict)  # fqn -> why the planner changed its role
+    mesh_shape: tuple[int, int] | None = None  # (replicate, shard); None: an older, flat plan
 
     @classmethod
     def trusted(cls, **fields: object) -> Plan:
@@ -134,6 +139,13 @@ class Plan(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> Plan:
+        if self.mesh_shape is not None:
+            replicate, shard = self.mesh_shape
+            if replicate < 1 or shard != self.world_size:
+                raise ValueError(
+                    f"mesh_shape {tuple(self.mesh_shape)} must be (replicate >= 1, shard = "
+                    f"world_size = {self.world_size}): owners are planned over the shard dim"
+                )
         seen: set[str] = set()
         for p in self.params:
             if p.fqn in seen:
@@ -156,6 +168,20 @@ class Plan(BaseModel):
             if placement.fqn == fqn:
                 return placement
         raise KeyError(fqn)
+
+    @property
+    def replicate_size(self) -> int:
+        """Replicas of this plan (HSDP); 1 for a flat mesh or an older plan."""
+        return self.mesh_shape[0] if self.mesh_shape is not None else 1
+
+    def with_mesh_shape(self, replicate: int, shard: int) -> Plan:
+        """This plan recorded for a ``(replicate, shard)`` mesh (``shard`` must be world_size)."""
+        if self.mesh_shape is not None and tuple(self.mesh_shape) != (replicate, shard):
+            raise ValueError(
+                f"the plan was made for mesh shape {tuple(self.mesh_shape)}, not "
+                f"{(replicate, shard)}; plan for the mesh the model is wrapped on"
+            )
+        return Plan.trusted(**{**dict(self), "mesh_shape": (replicate, shard)})
 
     @property
     def matrices(self) -> tuple[ParamPlacement, ...]:
@@ -187,7 +213,10 @@ class Plan(BaseModel):
 
     def plan_hash(self) -> str:
         """A stable SHA-256 over the canonical JSON (sorted keys, no whitespace)."""
-        canonical = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+        fields = self.model_dump(mode="json")
+        if fields.get("mesh_shape") is None:  # older plans: their digests stay as they were
+            fields.pop("mesh_shape", None)
+        canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()
 
     # -- reports ----------------------------------------------------------------------------------
