@@ -10,8 +10,10 @@ import copy
 import functools
 import hashlib
 import json
+import os
 import shutil
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -380,6 +382,31 @@ def _legacy_layout(rank: int, world: int, root: str) -> None:
     assert_close_dicts(_values(model), ref["values"], 0.0, "legacy layout")
 
 
+def _cli_train_replicate(rank: int, world: int, root: str) -> None:
+    """``matrixfsdp train --replicate 2`` on 4 ranks: a 2x2 mesh, training, HSDP checkpoints."""
+    from matrixfsdp.launch.cli import config_overrides
+    from matrixfsdp.launch.config import load_config
+    from matrixfsdp.launch.data import ByteCorpus
+    from matrixfsdp.launch.train import _build, _save, _train_step
+
+    tiny = ["--set", "corpus_bytes=10000", "--set", "model.dim=32", "--set", "model.hidden=64",
+            "--set", "model.layers=2", "--set", "model.heads=2", "--set", "model.seq_len=32",
+            "--set", "warmup_steps=1", "--set", "global_batch=8", "--set", "eval_batches=1"]
+    overrides = config_overrides(["--replicate", "2", "--steps", "3", "--out",
+                                  f"{root}/cli", *tiny])
+    assert overrides["replicate"] == 2
+    os.environ["LOCAL_WORLD_SIZE"] = str(world)  # as torchrun sets it: one thread per rank
+    text = bytes(range(256)) * 64  # the corpus is beside the point: skip the stdlib walk
+    with mock.patch.object(ByteCorpus, "_read_stdlib", staticmethod(lambda n: text[:n])):
+        ctx = _build(load_config(None, **overrides))  # what each rank of the launch runs
+    assert mf.get_state(ctx.model).mesh_shape == (2, 2)
+    record = _train_step(ctx, 0)
+    assert record["loss"] > 0 and record["matrix_comm_bytes_sent"]["optimizer"] <= 4
+    _save(ctx, 1)
+    layout = mf.checkpoint.read_layout(mf.checkpoint.latest(Path(root) / "cli" / "checkpoints"))
+    assert layout.mesh_shape == (2, 2)
+
+
 def _world(rank: int, world: int, root: str) -> None:
     subtests = {}
     for shape in SHAPES:
@@ -402,6 +429,7 @@ def _world(rank: int, world: int, root: str) -> None:
     subtests["load_1x4_into_2x2"] = functools.partial(_load_ckpt, rank, world, root, "flat4",
                                                       (2, 2))
     subtests["legacy_layout"] = functools.partial(_legacy_layout, rank, world, root)
+    subtests["cli_train_replicate"] = functools.partial(_cli_train_replicate, rank, world, root)
     run_subtests(rank, subtests)
 
 
@@ -444,3 +472,23 @@ def test_plan_mesh_shape_compatibility() -> None:
     assert Plan.from_json(old.with_mesh_shape(3, 2).to_json()).mesh_shape == (3, 2)
     with pytest.raises(ValueError, match=r"mesh_shape \(2, 3\) must be"):
         Plan.model_validate({**raw, "mesh_shape": (2, 3)})
+
+
+def test_cli_plan_and_train_replicate(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """``matrixfsdp plan --replicate``: one replica's plan (Llama-3-8B balances perfectly in
+    shard groups of 8); a replicate count that does not divide the ranks fails before launch."""
+    from matrixfsdp.launch.cli import main
+
+    assert main(["plan", "--world-size", "64", "--replicate", "8", "--model", "llama3-8b",
+                 "--optimizer", "adamw"]) == 0
+    text = capsys.readouterr().out
+    assert "64 ranks = 8 replicas x 8" in text and "mesh (replicate, shard): (8, 8)" in text
+    assert "imbalance max/mean by bytes: 1.0000" in text
+    assert main(["plan", "--world-size", "64", "--model", "llama3-8b", "--optimizer",
+                 "adamw"]) == 0
+    assert "imbalance max/mean by bytes: 1.0769" in capsys.readouterr().out
+    assert main(["plan", "--world-size", "64", "--replicate", "7"]) == 2
+    assert "--replicate 7 must be a positive divisor" in capsys.readouterr().err
+    out = tmp_path / "run"
+    assert main(["train", "--nproc", "4", "--replicate", "3", "--out", str(out)]) == 2
+    assert "--replicate 3 does not divide the 4 ranks" in capsys.readouterr().err

@@ -152,7 +152,8 @@ def _plan_identical(rank: int, world: int) -> None:
     assert len(set(hashes)) == 1, hashes
     # A pure function of the model: recomputing it without any process group gives the same.
     sites = select_params(probe, default_groups(probe), None, "cpu")
-    assert make_plan(param_specs(sites), world).plan_hash() == plan.plan_hash()
+    assert plan.mesh_shape == (1, world)  # a flat mesh: one replica
+    assert make_plan(param_specs(sites), world).with_mesh_shape(1, world).plan_hash() == plan.plan_hash()
     assert mf.Plan.from_json(plan.to_json()) == plan
     roles = {p.fqn: p.role for p in plan.params}
     assert roles["head.weight"] == "tail" and roles["embed.weight"] == "tail"

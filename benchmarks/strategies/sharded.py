@@ -192,7 +192,7 @@ class MatrixFSDPStrategy(Strategy):
         super().__init__(model, ctx)
         mf.fully_shard_matrix(model, planner=planner_for(ctx.optim.name))
         self.runtime = mf.get_state(model)
-        if self.runtime.plan.plan_hash() != ctx.plan.plan_hash():
+        if self.runtime.plan.params != ctx.plan.params:
             raise RuntimeError("matrixfsdp's plan differs from the plan the baselines use")
         o = ctx.optim
         self.opt = mf.MatrixOptimizer(
