@@ -150,6 +150,71 @@ def _projection_table(proj: dict[str, Any]) -> list[str]:
     return lines
 
 
+HSDP_MEASURED = ("matrixfsdp", "matrixfsdp_hsdp", "distmuon", "distmuon_hsdp", "fsdp2_adamw")
+
+
+def _dim_cell(s: dict[str, Any], phases: tuple[str, ...], dim: str) -> str:
+    calls = sum(s["by_dim"].get(ph, {}).get(dim, {}).get("calls", 0) for ph in phases)
+    recv = sum(s["by_dim"].get(ph, {}).get(dim, {}).get("recv", 0) for ph in phases)
+    return f"{calls} / {fmt_bytes(recv)}" if calls else "0"
+
+
+def _hsdp_table(run: dict[str, Any]) -> list[str]:
+    """Flat against HSDP, measured in the same interleaved world."""
+    s = run["strategies"]
+    names = [n for n in HSDP_MEASURED if n in s]
+    if "matrixfsdp_hsdp" not in s:
+        return []
+    header = ["strategy", "fwd+bwd ms", "opt step ms", "total ms",
+              "fwd+bwd: shard dim calls / recv", "fwd+bwd: replicate dim calls / recv",
+              "opt: shard / replicate", "peak live bytes (2nd step)"]
+    rows = []
+    for name in names:
+        t = s[name]["times"]
+        live = fmt_bytes(s[name]["peak_live"]) if "peak_live" in s[name] else "not run"
+        rows.append([_label(name), _ms(t["fwd_bwd"]), _ms(t["optimizer"]), _ms(t["total"]),
+                     _dim_cell(s[name], ("forward", "backward"), "shard"),
+                     _dim_cell(s[name], ("forward", "backward"), "replicate"),
+                     f"{_dim_cell(s[name], ('optimizer',), 'shard')} / "
+                     f"{_dim_cell(s[name], ('optimizer',), 'replicate')}", live])
+    lines = _table(header, rows)
+    flat, hsdp = s.get("matrixfsdp"), s["matrixfsdp_hsdp"]
+    if flat is not None:
+        ratio = hsdp["times"]["fwd_bwd"] / flat["times"]["fwd_bwd"]
+        lines += ["", f"matrixfsdp HSDP ÷ flat, forward+backward (medians, same run): "
+                      f"{ratio:.3f} (target <= 1.10: {'met' if ratio <= 1.10 else 'NOT met'})."]
+        lib = hsdp.get("library_by_dim", {})
+        if lib:
+            lines.append("matrixfsdp HSDP's own CommCounter (owner ops, counted step, rank 0): "
+                         + "; ".join(f"{dim}: " + ", ".join(
+                             f"{ph} {v['calls']} calls / {fmt_bytes(v['bytes_received'])}"
+                             for ph, v in phases.items() if v["calls"])
+                                     for dim, phases in lib.items()) + ".")
+    return lines
+
+
+def _hsdp_projection_table(projections: dict[str, Any]) -> list[str]:
+    header = ["model", "strategy", "mesh", "plan max/mean (bytes)", "inter-node bytes / GPU",
+              "intra-node bytes / GPU", "fwd+bwd ms", "opt step ms", "total ms"]
+    rows = []
+    for proj in projections.values():
+        for name, f in proj["strategies"].items():
+            r, sh = f["mesh_shape"]
+            rows.append([proj["model"]["name"], _label(name), f"{r}x{sh}",
+                         f"{f['plan_imbalance_bytes']:.3f}", fmt_bytes(f["inter_node_bytes"]),
+                         fmt_bytes(f["intra_node_bytes"]), f"{f['fwd_bwd_s'] * 1e3:.0f}",
+                         f"{f['optimizer_s'] * 1e3:.0f}", f"{f['total_s'] * 1e3:.0f}"])
+    lines = _table(header, rows)
+    for proj in projections.values():
+        st = proj["strategies"]
+        if "matrixfsdp_hsdp" in st and "fsdp2_recon_hsdp" in st:
+            a, b = st["matrixfsdp_hsdp"]["inter_node_bytes"], st["fsdp2_recon_hsdp"]["inter_node_bytes"]
+            lines.append(f"{proj['model']['name']}: owner-HSDP inter-node bytes ÷ FSDP2-HSDP's = "
+                         f"{a / b:.9f} ({a - b:+d} B: the presence flags, 4 B per owned matrix, "
+                         "all-reduced with the gradients).")
+    return lines
+
+
 def _assumption_lines(proj: dict[str, Any]) -> list[str]:
     hw, m = proj["hardware"], proj["model"]
     d = m["dtypes"]
@@ -158,8 +223,9 @@ def _assumption_lines(proj: dict[str, Any]) -> list[str]:
         f"TFLOP/s (dense bf16; forward+backward, Newton–Schulz and CANS alike); NVLink "
         f"{hw['nvlink_gbps']:.0f} GB/s and α {hw['alpha_nvlink_s'] * 1e6:.0f} µs, InfiniBand "
         f"{hw['ib_gbps']:.0f} GB/s per GPU and α {hw['alpha_ib_s'] * 1e6:.0f} µs; HBM "
-        f"{hw['hbm_gbps']:.0f} GB/s for element-wise AdamW. Model: Llama-2-7B shapes "
-        f"({m['layers']} layers, d={m['dim']}, ffn={m['ffn']}, vocab={m['vocab']}, untied head), "
+        f"{hw['hbm_gbps']:.0f} GB/s for element-wise AdamW. Model: {m['name']} shapes "
+        f"({m['layers']} layers, d={m['dim']}, ffn={m['ffn']}, vocab={m['vocab']}, "
+        f"{m['heads']} heads / {m['kv_heads']} KV heads, untied head), "
         f"{m['tokens_per_gpu']} tokens per GPU per step (seq {m['seq_len']}); gathers in "
         f"{d['gather']} B/elt, gradients {d['grad']} B, master weights {d['param']} B, state "
         f"{d['state']} B. Collectives: ring all-gather / reduce-scatter / all-reduce, pipelined "
@@ -212,8 +278,11 @@ def render_markdown(results: dict[str, Any]) -> str:
         for world, wr in run["worlds"].items():
             ref = wr["reference"]
             lines += [f"### {opt}, world size {world}", "", *_strategy_table(wr), "",
-                      *_ratio_table(wr), "", *_check_lines(wr), "",
-                      f"Single-process references (rank 0 alone, interleaved with the rounds): "
+                      *_ratio_table(wr), "", *_check_lines(wr), ""]
+            if "matrixfsdp_hsdp" in wr["strategies"]:
+                lines += [f"HSDP ({wr.get('hsdp_shape', '?')} mesh) against flat, same run:", "",
+                          *_hsdp_table(wr), ""]
+            lines += [f"Single-process references (rank 0 alone, interleaved with the rounds): "
                       f"matrix step {_ms(ref['matrix_step'])} ms, tail AdamW "
                       f"{_ms(ref['tail_adamw'])} ms, forward+backward at the local batch "
                       f"{_ms(ref['fwd_bwd'])} ms; ideal optimizer step (÷ {world}) "
@@ -227,6 +296,11 @@ def render_markdown(results: dict[str, Any]) -> str:
             lines += [f"### {opt}, projected: Llama-2-7B shapes on 8 x 8 GPUs", "",
                       *_projection_table(run["projection"]), "",
                       *_assumption_lines(run["projection"]), ""]
+        if "hsdp_projection" in run:
+            first = next(iter(run["hsdp_projection"].values()))
+            lines += [f"### {opt}, projected: flat (1x64) against HSDP (8x8) on 8 x 8 GPUs", "",
+                      *_hsdp_projection_table(run["hsdp_projection"]), "",
+                      *_assumption_lines(first), ""]
     lines += ["## Notes", "", *_definition_lines(), ""]
     return "\n".join(lines)
 

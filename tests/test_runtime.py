@@ -231,9 +231,9 @@ def _bad_inputs(rank: int, world: int) -> None:
         mf.fully_shard_matrix(model)
 
     _, model = _pair()
-    mesh2d = init_device_mesh("cpu", (1, world), mesh_dim_names=("a", "b"))
-    with pytest.raises(ValueError, match="1-D DeviceMesh"):
-        mf.fully_shard_matrix(model, mesh2d)
+    mesh3d = init_device_mesh("cpu", (1, 1, world), mesh_dim_names=("a", "b", "c"))
+    with pytest.raises(ValueError, match=r"\(1, 1, \d\) \(3 dims\).*2-D HSDP mesh"):
+        mf.fully_shard_matrix(model, mesh3d)
 
     _, model = _pair()
     with pytest.raises(ValueError, match=r"layers\.0\.norm1\.weight.*\(16,\)"):
