@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 
 import matrixfsdp as mf
 from matrixfsdp.checkpoint.storage import read_metadata
+from matrixfsdp.memory import matrix_memory
 from matrixfsdp.planner import make_plan
 from matrixfsdp.runtime import WorkKind
 from matrixfsdp.runtime.selection import default_groups, param_specs, select_params
@@ -185,6 +186,12 @@ def _counted_per_dim(rank: int, world: int, shape: tuple[int, int]) -> None:
     state = mf.get_state(model)
     counter = state.comm.counter
     counter.reset()
+    all_reduced: list[int] = []  # storage bytes of every buffer all-reduced over the replicas
+    replicate = state.groups[0].replicate  # one communicator, shared by every group
+    if replicate is not None:
+        original = replicate.all_reduce
+        replicate.all_reduce = lambda t, **kw: (  # type: ignore[method-assign]
+            all_reduced.append(t.untyped_storage().nbytes()), original(t, **kw))[1]
     lm_loss(model, local_batch(global_batch(0), rank, world)).backward()
     shard, rep = counter.snapshot("shard"), counter.snapshot("replicate")
     groups = len(state.groups)
@@ -203,6 +210,13 @@ def _counted_per_dim(rank: int, world: int, shape: tuple[int, int]) -> None:
         assert rep["backward"]["calls"] == sum(1 for o in owned if o)
         payload = sum((p.numel + 1) * 4 for o in owned for p in o)
         assert rep["backward"]["bytes_sent"] == rep["backward"]["bytes_received"] == payload
+        # Each all-reduce holds a copy of the owner's segment only, never the group's buffer,
+        # and the plan's memory model accounts for exactly that buffer.
+        want = sorted((sum(p.numel for p in o) + len(o)) * 4 for o in owned if o)
+        assert sorted(all_reduced) == want, (all_reduced, want)
+        mm = matrix_memory(state.plan, state.comm.rank)
+        assert sorted(g.all_reduce_buffer for g in mm.groups.values() if g.all_reduce_buffer) \
+            == sorted(all_reduced)
 
 
 def _clip(rank: int, world: int, shape: tuple[int, int]) -> None:
