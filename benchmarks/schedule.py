@@ -131,15 +131,15 @@ def _fsdp(setup: Setup, role: str | None, resharded: bool = True) -> list[Op]:
             elems = sum(padded(p.shape, n) for p in setup.params_of(unit, role))
             if not elems:
                 continue
-            if phase == "forward" or (unit and resharded):
+            if n > 1 and (phase == "forward" or (unit and resharded)):  # FSDP2 skips 1 rank
                 ops.append(Op(phase, "all_gather", elems * d.gather, group=group))
     for unit in setup.units():
         elems = sum(padded(p.shape, n) for p in setup.params_of(unit, role))
-        if elems:
+        if elems and n > 1:
             ops.append(Op("backward", "all_reduce" if setup.gloo else "reduce_scatter",
                           elems * d.grad, group=group))
-            if setup.replicate > 1:
-                ops.append(Op("backward", "all_reduce", elems // n * d.grad, group="replicate"))
+        if elems and setup.replicate > 1:
+            ops.append(Op("backward", "all_reduce", elems // n * d.grad, group="replicate"))
     return ops
 
 
