@@ -143,6 +143,35 @@ def _free_running(rank: int, world: int, shape: tuple[int, int], name: str, *,
     _across_replicas_equal(model, opt)
 
 
+def _expert_slices(rank: int, world: int) -> None:
+    """Sharded expert stacks (FSDP2 Shard(0) on the shard dim, replicated across replicas):
+    the matrix optimizer steps each rank's experts; three Muon steps match one process."""
+    from .test_experts import _loss as moe_loss
+    from .test_experts import _pair as moe_pair
+    from .test_experts import _stacks_and_gates
+
+    ref, model = moe_pair()
+    mf.fully_shard_matrix(model, _mesh((2, 2)), matrix_filter=_stacks_and_gates,
+                          planner=mf.LPTPlanner(stacks="slices"))
+    plan = mf.get_plan(model)
+    assert plan["layers.0.w_in"].role == "sharded_stack"
+    kwargs = FREE_RUNNING_KWARGS["muon"]
+    opt = mf.MatrixOptimizer(model, optimizer="muon", lr=0.02, weight_decay=0.1, tail_lr=1e-2,
+                             tail_weight_decay=0.1, **kwargs)
+    fqns = {p.fqn for p in (*plan.matrices, *plan.sharded_stacks)}
+    stepper = ReferenceStepper(ref, fqns, "muon", 0.02, kwargs)
+    for step in range(3):
+        tokens = global_batch(step)
+        moe_loss(ref, tokens).backward()
+        moe_loss(model, local_batch(tokens, rank, world)).backward()
+        stepper.step()
+        opt.step()
+        stepper.zero_grad()
+        opt.zero_grad()
+    assert_close_dicts(full_values(model), reference_values(ref), PARAM_RTOL, "expert slices")
+    _across_replicas_equal(model, opt)
+
+
 def _accumulation(rank: int, world: int, shape: tuple[int, int]) -> None:
     """Two micro-batches: sync off communicates no gradient (neither dim); the synced backward
     reduces and all-reduces the sum. Then the same with only the replicate all-reduce off."""
@@ -435,6 +464,7 @@ def _world(rank: int, world: int, root: str) -> None:
     subtests["activation_checkpointing_2x2"] = functools.partial(
         _free_running, rank, world, (2, 2), "muon", steps=3, checkpointing=True)
     subtests["clip_2x2"] = functools.partial(_clip, rank, world, (2, 2))
+    subtests["expert_slices_2x2"] = functools.partial(_expert_slices, rank, world)
     subtests["plan_and_hash"] = functools.partial(_plan_and_hash, rank, world)
     subtests["unnamed_mesh"] = functools.partial(_unnamed_mesh, rank, world)
     subtests["bad_meshes"] = functools.partial(_bad_meshes, rank, world)
