@@ -167,7 +167,7 @@ def _hsdp_table(run: dict[str, Any]) -> list[str]:
         return []
     header = ["strategy", "fwd+bwd ms", "opt step ms", "total ms",
               "fwd+bwd: shard dim calls / recv", "fwd+bwd: replicate dim calls / recv",
-              "opt: shard / replicate", "peak live bytes (2nd step)"]
+              "opt: shard dim", "opt: replicate dim", "peak live bytes (2nd step)"]
     rows = []
     for name in names:
         t = s[name]["times"]
@@ -175,8 +175,8 @@ def _hsdp_table(run: dict[str, Any]) -> list[str]:
         rows.append([_label(name), _ms(t["fwd_bwd"]), _ms(t["optimizer"]), _ms(t["total"]),
                      _dim_cell(s[name], ("forward", "backward"), "shard"),
                      _dim_cell(s[name], ("forward", "backward"), "replicate"),
-                     f"{_dim_cell(s[name], ('optimizer',), 'shard')} / "
-                     f"{_dim_cell(s[name], ('optimizer',), 'replicate')}", live])
+                     _dim_cell(s[name], ("optimizer",), "shard"),
+                     _dim_cell(s[name], ("optimizer",), "replicate"), live])
     lines = _table(header, rows)
     flat, hsdp = s.get("matrixfsdp"), s["matrixfsdp_hsdp"]
     if flat is not None:
@@ -195,15 +195,19 @@ def _hsdp_table(run: dict[str, Any]) -> list[str]:
 
 def _hsdp_projection_table(projections: dict[str, Any]) -> list[str]:
     header = ["model", "strategy", "mesh", "plan max/mean (bytes)", "inter-node bytes / GPU",
-              "intra-node bytes / GPU", "fwd+bwd ms", "opt step ms", "total ms"]
+              "intra-node bytes / GPU", "fwd+bwd ms (compute / comm)", "opt step ms (comm)",
+              "total ms", "resident / GPU"]
     rows = []
     for proj in projections.values():
         for name, f in proj["strategies"].items():
             r, sh = f["mesh_shape"]
             rows.append([proj["model"]["name"], _label(name), f"{r}x{sh}",
                          f"{f['plan_imbalance_bytes']:.3f}", fmt_bytes(f["inter_node_bytes"]),
-                         fmt_bytes(f["intra_node_bytes"]), f"{f['fwd_bwd_s'] * 1e3:.0f}",
-                         f"{f['optimizer_s'] * 1e3:.0f}", f"{f['total_s'] * 1e3:.0f}"])
+                         fmt_bytes(f["intra_node_bytes"]),
+                         f"{f['fwd_bwd_s'] * 1e3:.0f} ({f['fwd_bwd_compute_s'] * 1e3:.0f} / "
+                         f"{f['fwd_bwd_comm_s'] * 1e3:.0f})",
+                         f"{f['optimizer_s'] * 1e3:.0f} ({f['optimizer_comm_s'] * 1e3:.0f})",
+                         f"{f['total_s'] * 1e3:.0f}", fmt_bytes(sum(f["resident"].values()))])
     lines = _table(header, rows)
     for proj in projections.values():
         st = proj["strategies"]

@@ -119,7 +119,8 @@ def run_optimizer(opt: str, args: argparse.Namespace, model_cfg: ModelConfig,
                 memory[name] = run_world(world, memory_worker, cfg, name)
         out["worlds"][world] = aggregate_world(cfg, timing, memory)
     if not args.no_projection:
-        out["projection"] = project(opt, [n for n in args.strategies if n in PROJECTED])
+        flat = [n for n in strategies_for(opt, tuple(args.strategies)) if n in PROJECTED]
+        out["projection"] = project(opt, flat)
         if opt == "muon":
             out["hsdp_projection"] = {name: project_hsdp(opt, shape)
                                       for name, shape in HSDP_MODELS.items()}
