@@ -14,7 +14,7 @@ from .model import GPT
 from .schedule import Setup, is_hsdp, per_rank_calls, per_rank_recv, resident_model, schedule
 from .strategies import owner_plan
 
-__all__ = ["aggregate_world", "setup_for", "targets"]
+__all__ = ["aggregate_world", "memory_figures", "setup_for", "targets"]
 
 PHASES = ("forward", "backward", "optimizer")
 _TIMES = ("forward", "fwd_bwd", "optimizer", "fwd_bwd_cpu", "optimizer_cpu")
@@ -124,6 +124,15 @@ def _references(cfg: BenchConfig, timing: list[dict[str, Any]]) -> tuple[dict[st
     return out, share
 
 
+def memory_figures(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """Busiest rank per phase: live tensor bytes and RSS above the RSS before the model."""
+    return {
+        "live": {ph: max(r["live_by_phase"][ph] for r in ranks) for ph in PHASES},
+        "rss": {ph: max(r["rss_by_phase"][ph] - r["rss_before"] for r in ranks) for ph in PHASES},
+        "live_start": max(r["live_start"] for r in ranks),
+    }
+
+
 def aggregate_world(cfg: BenchConfig, timing: list[dict[str, Any]],
                     memory: dict[str, list[dict[str, Any]]] | None) -> dict[str, Any]:
     """Everything the report needs about one (optimizer, world size) run."""
@@ -138,7 +147,6 @@ def aggregate_world(cfg: BenchConfig, timing: list[dict[str, Any]],
             ranks = memory[name]
             strategies[name]["peak_rss"] = max(r["peak_rss"] for r in ranks)
             strategies[name]["peak_rss_delta"] = max(r["peak_rss"] - r["rss_before"] for r in ranks)
-            strategies[name]["peak_live"] = max(r["peak_live"] for r in ranks)
         counted = timing[0]["counted"][name]
         for key in ("library_counter", "library_by_dim"):
             if key in counted:
@@ -148,12 +156,14 @@ def aggregate_world(cfg: BenchConfig, timing: list[dict[str, Any]],
     for name, s in strategies.items():
         if reference is not None and name != "fsdp2_adamw":
             loss_diff[name] = max(abs(a - b) for a, b in zip(s["losses"], reference, strict=True))
+    memory_peaks = {name: memory_figures(ranks) for name, ranks in (memory or {}).items()}
     fits = fit_alpha_beta(r["comm_samples"] for r in timing)
     ref, share = _references(cfg, timing)
     predicted = predict_measured(timing, ref, cfg.world_size, share, fits)
     return {
         "world_size": cfg.world_size, "strategies": strategies, "loss_diff_vs_ddp": loss_diff,
         "hsdp_shape": f"{cfg.hsdp_replicate}x{cfg.world_size // cfg.hsdp_replicate}",
+        "memory": memory_peaks,
         "alpha_beta": fits, "predicted": predicted, "reference": ref, "contention": share,
         "ideal_optimizer_s": (ref["matrix_step"] + ref["tail_adamw"]) / cfg.world_size,
         "ideal_optimizer_cpu_s": ref["optimizer_cpu"] / cfg.world_size,

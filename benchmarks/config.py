@@ -8,6 +8,7 @@ from typing import Any
 
 __all__ = [
     "DEFAULT_LR",
+    "MEMORY_BASELINES",
     "STRATEGIES",
     "STRATEGY_LABELS",
     "BenchConfig",
@@ -28,11 +29,15 @@ STRATEGY_LABELS: dict[str, str] = {
     "matrixfsdp": "matrixfsdp",
     "matrixfsdp_p2p": "matrixfsdp (broadcast/reduce)",
     "fsdp2_adamw": "FSDP2 + AdamW (floor)",
+    "fsdp2_sgdm": "FSDP2 + SGD-momentum (Muon's state size)",
     "matrixfsdp_hsdp": "matrixfsdp HSDP",
     "distmuon": "FSDP2 + owner all-to-all Muon",
     "distmuon_hsdp": "FSDP2 HSDP + owner all-to-all Muon",
     "fsdp2_recon_hsdp": "FSDP2 HSDP + reconstruction",
 }
+# Measured for memory only (their update is not the matrix optimizer's): peak per phase beside
+# the strategies above, e.g. the stock FSDP2 run whose optimizer state has Muon's size.
+MEMORY_BASELINES: tuple[str, ...] = ("fsdp2_sgdm",)
 DEFAULT_LR: dict[str, float] = {"muon": 0.02, "okls": 0.01}
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import resource
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -31,6 +30,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
+
+from matrixfsdp.memory import (
+    peak_rss_bytes,
+    pin_malloc_mmap_threshold,
+    reset_peak_rss,
+    rss_bytes,
+)
 
 __all__ = [
     "Collective",
@@ -262,46 +268,5 @@ def _a2a(n: int, world: int, rank: int) -> Callable[[], Any]:
 
 
 # -- process memory ---------------------------------------------------------------------------------
-def _status_bytes(field: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-def rss_bytes() -> int:
-    """Current resident set size (``VmRSS``; 0 where /proc is unavailable)."""
-    return _status_bytes("VmRSS") or 0
-
-
-def track_live_memory() -> bool:
-    """Make RSS follow live memory: glibc serves allocations >= 64 KiB by ``mmap`` and returns
-    freed memory to the OS at once (``mallopt`` ``M_MMAP_THRESHOLD``, ``M_TRIM_THRESHOLD``), so
-    a peak RSS is not an artifact of which freed chunks the allocator happened to cache."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(-3, 65536)) and bool(libc.mallopt(-1, 0))
-    except (OSError, AttributeError):
-        return False
-
-
-def reset_peak_rss() -> bool:
-    """Reset the kernel's RSS high-water mark to the current RSS (Linux ``clear_refs`` 5)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def peak_rss_bytes() -> int:
-    """RSS high-water mark (``VmHWM``; else ``getrusage`` ``ru_maxrss``)."""
-    hwm = _status_bytes("VmHWM")
-    return hwm if hwm is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+# The library's own helpers (matrixfsdp.memory), under the names this package has always used.
+track_live_memory = pin_malloc_mmap_threshold

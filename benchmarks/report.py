@@ -9,7 +9,7 @@ from typing import Any
 from .analysis import PHASES, targets
 from .config import STRATEGY_LABELS
 
-__all__ = ["render_markdown", "write_json", "write_png"]
+__all__ = ["memory_table", "render_markdown", "write_json", "write_png"]
 
 BASELINES = ("ddp", "fsdp2_recon", "gather_once", "zero1_owner", "fsdp2_adamw")
 
@@ -37,7 +37,7 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 def _strategy_table(run: dict[str, Any]) -> list[str]:
     header = ["strategy", "opt step ms", "fwd+bwd ms", "total ms", "opt CPU ms",
               "fwd coll", "bwd coll", "opt coll", "fwd+bwd sent", "resident (params / grads / "
-              "state)", "peak RSS (Δ over start)"]
+              "state)", "peak RSS in the step (Δ over start)"]
     rows = []
     for name, s in run["strategies"].items():
         t, c, r = s["times"], s["comm"], s["resident"]
@@ -72,6 +72,27 @@ def _ratio_table(run: dict[str, Any]) -> list[str]:
                      *(f"{b['times'][k] / mf['times'][k]:.2f}x"
                        for k in ("optimizer", "fwd_bwd", "total")),
                      bytes_cell, f"{b['resident']['total'] / mf['resident']['total']:.2f}x", rss])
+    return _table(header, rows)
+
+
+MEMORY_BASE = "fsdp2_sgdm"
+
+
+def memory_table(memory: dict[str, Any]) -> list[str]:
+    """Peak per rank *during* each phase of a step: live tensor bytes and RSS (Δ over the RSS
+    before the model was built), busiest rank, with each strategy's whole-step peak ÷ the
+    baseline's (stock FSDP2 with Muon's optimizer-state size) where it was measured."""
+    header = ["strategy", "live fwd", "live bwd", "live opt", "RSS Δ fwd", "RSS Δ bwd",
+              "RSS Δ opt", "peak live ÷ FSDP2+SGD-m", "peak RSS Δ ÷ FSDP2+SGD-m"]
+    base = memory.get(MEMORY_BASE)
+    rows = []
+    for name, m in memory.items():
+        live, rss = m["live"], m["rss"]
+        ratios = ["-", "-"]
+        if base is not None:
+            ratios = [f"{max(m[k].values()) / max(base[k].values()):.2f}x" for k in ("live", "rss")]
+        rows.append([_label(name), *(fmt_bytes(live[ph]) for ph in PHASES),
+                     *(fmt_bytes(rss[ph]) for ph in PHASES), *ratios])
     return _table(header, rows)
 
 
@@ -167,11 +188,12 @@ def _hsdp_table(run: dict[str, Any]) -> list[str]:
         return []
     header = ["strategy", "fwd+bwd ms", "opt step ms", "total ms",
               "fwd+bwd: shard dim calls / recv", "fwd+bwd: replicate dim calls / recv",
-              "opt: shard dim", "opt: replicate dim", "peak live bytes (2nd step)"]
+              "opt: shard dim", "opt: replicate dim", "peak live tensor bytes in the step"]
     rows = []
     for name in names:
         t = s[name]["times"]
-        live = fmt_bytes(s[name]["peak_live"]) if "peak_live" in s[name] else "not run"
+        mem = run.get("memory", {}).get(name)
+        live = fmt_bytes(max(mem["live"].values())) if mem else "not run"
         rows.append([_label(name), _ms(t["fwd_bwd"]), _ms(t["optimizer"]), _ms(t["total"]),
                      _dim_cell(s[name], ("forward", "backward"), "shard"),
                      _dim_cell(s[name], ("forward", "backward"), "replicate"),
@@ -251,9 +273,13 @@ def _definition_lines() -> list[str]:
         "gloo runs FSDP2's reduce-scatter as an all-reduce). Resident bytes are counted from "
         "tensors after the optimizer step (parameters incl. matrixfsdp's unsharded leaves, "
         "gradients, optimizer state; DTensors count their local shard; aliases once), busiest "
-        "rank. Peak RSS is the VmHWM of a fresh process per strategy over its first two steps, "
-        "with glibc told to mmap allocations >= 64 KiB and return freed memory at once (so RSS "
-        "follows live memory; Δ: above the RSS before the model was built), busiest rank. The "
+        "rank. Peak memory is measured in a fresh process per strategy, after the warm-up steps "
+        "(optimizer state exists), during each phase of one step: RSS high-water mark (VmHWM "
+        "reset before each phase, glibc told to mmap allocations >= 64 KiB and return freed "
+        "memory at once, so RSS follows live memory; Δ: above the RSS before the model was "
+        "built) and live tensor bytes (matrixfsdp.memory.LiveBytesTracker over a further step: "
+        "every tensor allocated and freed, parameters, gradients and optimizer state included), "
+        "busiest rank. The "
         "ideal optimizer step is the single-process, single-thread step (matrices + tail AdamW, measured by rank 0 alone "
         "between rounds) divided by N.",
     ]
@@ -281,8 +307,10 @@ def render_markdown(results: dict[str, Any]) -> str:
         lines += [f"## {opt}", "", f"Optimizer settings: {run['optim']}.", ""]
         for world, wr in run["worlds"].items():
             ref = wr["reference"]
+            memory = (["Peak memory per rank during the step (forward, backward, optimizer):",
+                       "", *memory_table(wr["memory"]), ""] if wr.get("memory") else [])
             lines += [f"### {opt}, world size {world}", "", *_strategy_table(wr), "",
-                      *_ratio_table(wr), "", *_check_lines(wr), ""]
+                      *_ratio_table(wr), "", *memory, *_check_lines(wr), ""]
             if "matrixfsdp_hsdp" in wr["strategies"]:
                 lines += [f"HSDP ({wr.get('hsdp_shape', '?')} mesh) against flat, same run:", "",
                           *_hsdp_table(wr), ""]

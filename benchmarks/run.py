@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from .analysis import aggregate_world
-from .config import STRATEGIES, BenchConfig, ModelConfig, OptimConfig
+from .config import MEMORY_BASELINES, STRATEGIES, BenchConfig, ModelConfig, OptimConfig
 from .costmodel import HSDP_MODELS, PROJECTED, project, project_hsdp
 from .launch import run_world
 from .model import GPT
@@ -50,7 +50,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ns-dtype", default="float32", choices=["float32", "bfloat16"],
                    help="Muon's Newton–Schulz dtype (fp32 makes trajectories comparable)")
     p.add_argument("--tiny", action="store_true", help="a seconds-long smoke run (for tests)")
-    p.add_argument("--no-memory", action="store_true", help="skip the per-strategy RSS worlds")
+    p.add_argument("--no-memory", action="store_true",
+                   help="skip the per-strategy worlds measuring peak memory during the step")
     p.add_argument("--no-projection", action="store_true")
     p.add_argument("--comm-repeats", type=int, default=5)
     p.add_argument("--hsdp-replicate", type=int, default=2,
@@ -114,8 +115,8 @@ def run_optimizer(opt: str, args: argparse.Namespace, model_cfg: ModelConfig,
         memory = None
         if not args.no_memory:
             memory = {}
-            for name in cfg.strategies:
-                _log(f"{opt}: world {world}: peak RSS of {name}")
+            for name in (*cfg.strategies, *MEMORY_BASELINES):
+                _log(f"{opt}: world {world}: peak memory during the step of {name}")
                 memory[name] = run_world(world, memory_worker, cfg, name)
         out["worlds"][world] = aggregate_world(cfg, timing, memory)
     if not args.no_projection:

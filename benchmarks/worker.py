@@ -3,6 +3,7 @@ contention probe, collective microbenchmark) and the per-strategy memory worlds.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 from typing import Any
@@ -132,20 +133,50 @@ def timing_worker(rank: int, world: int, cfg: BenchConfig) -> dict[str, Any]:
 
 
 def memory_worker(rank: int, world: int, cfg: BenchConfig, name: str) -> dict[str, Any]:
-    """One strategy alone in a fresh process: RSS high-water mark over its first two steps, and
-    the peak of live tensor bytes (``matrixfsdp.memory.LiveBytesTracker``) over its second."""
+    """One strategy alone in a fresh process: peak memory *during* each phase of a step.
+
+    After the warm-up steps (so optimizer state exists), one step phase by phase with the
+    kernel's RSS high-water mark reset before each phase (glibc told to unmap freed memory at once,
+    so RSS follows live memory), then one step under a ``LiveBytesTracker`` that follows every
+    tensor (live tensor bytes; parameters, gradients and optimizer state included).
+    """
     live = track_live_memory()
     before = rss_bytes()
     reset_ok = reset_peak_rss()
     base, ctx = _context(rank, world, cfg)
     s = build_strategy(name, base, ctx)
-    timed_step(s, _tokens(cfg, 0, rank, world))  # optimizer state exists from here on
-    tracker = LiveBytesTracker()
-    tracker.track(*s.resident_tensors().values())
+    del base
+    step = 0
+    for step in range(max(cfg.warmup, 1)):
+        timed_step(s, _tokens(cfg, step, rank, world))
+    rss = _phase_peaks(s, _tokens(cfg, step + 1, rank, world))
+    tracked = s.resident_tensors()
+    tracker = LiveBytesTracker().track(*tracked.values())
+    start = tracker.current
     with tracker:
-        timed_step(s, _tokens(cfg, 1, rank, world))
-    return {"rank": rank, "rss_before": before, "peak_rss": peak_rss_bytes(),
-            "hwm_reset": reset_ok, "live_tracking": live, "peak_live": tracker.peak}
+        _phase_peaks(s, _tokens(cfg, step + 2, rank, world), tracker)
+    return {"rank": rank, "rss_before": before, "peak_rss": max(rss.values()),
+            "rss_by_phase": rss, "live_start": start,
+            "live_by_phase": {ph: p.peak for ph, p in tracker.phases.items()},
+            "hwm_reset": reset_ok, "live_tracking": live}
+
+
+def _phase_peaks(s: Strategy, tokens: torch.Tensor,
+                 tracker: LiveBytesTracker | None = None) -> dict[str, int]:
+    """One step; the RSS high-water mark of each phase (and the tracker's phases if given)."""
+    peaks: dict[str, int] = {}
+    state: dict[str, Any] = {}
+    phases = {"forward": lambda: state.update(loss=s.forward(tokens)),
+              "backward": lambda: s.backward(state["loss"]), "optimizer": s.step}
+    for phase, fn in phases.items():
+        dist.barrier()
+        reset_peak_rss()
+        with tracker.phase(phase) if tracker is not None else contextlib.nullcontext():
+            fn()
+        peaks[phase] = peak_rss_bytes()
+    del state["loss"]
+    s.zero_grad()
+    return peaks
 
 
 class Reference:

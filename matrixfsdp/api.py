@@ -26,7 +26,14 @@ from .collectives import (
 from .planner import Plan, make_plan
 from .runtime import MatrixFSDPState, MatrixGroup, MatrixParam, in_backward
 from .runtime.mesh import DataParallelMesh, backend_device_type, init_hsdp_mesh, resolve_mesh
-from .runtime.selection import MatrixFilter, ParamSite, default_groups, param_specs, select_params
+from .runtime.selection import (
+    MatrixFilter,
+    ParamSite,
+    default_groups,
+    param_specs,
+    report_selection,
+    select_params,
+)
 
 __all__ = [
     "clip_grad_norm_",
@@ -74,8 +81,12 @@ def fully_shard_matrix(
             cuda, gloo: cpu).
         groups: communication units (one gather and one reduction each); ``None`` means every
             child of each outermost ``nn.ModuleList`` (the blocks), then the root.
-        matrix_filter: ``(fqn, param) -> bool`` choosing the matrices; ``None`` selects the 2-D
-            weights of ``nn.Linear`` modules inside a non-root group.
+        matrix_filter: ``(fqn, param) -> bool`` choosing the matrices; ``None`` applies the
+            default rule (see [Note: default matrix selection] in ``runtime/selection.py``): every
+            parameter of 2+ dims inside a group other than the root (``nn.Linear``, Hugging Face
+            ``Conv1D``, 3-D expert stacks, routers), except embeddings (and weights tied to
+            them), biases and conv kernels. Where a filter disagrees with the rule, the log names
+            the weights and ``get_plan(model).notes`` says why.
         reshard_after_forward: free non-owned matrices after forward (regather in backward).
         mp_policy: FSDP2 ``MixedPrecisionPolicy``; matrices compute in ``param_dtype`` and reduce
             in ``reduce_dtype`` (default: the parameter's own dtype), owners keep the master.
@@ -100,7 +111,12 @@ def fully_shard_matrix(
     group_modules = _resolve_groups(model, groups)
     device_type = "meta" if _all_meta(model) else dp.mesh.device_type
     sites = select_params(model, group_modules, matrix_filter, device_type)
+    selection_notes = report_selection(sites, filtered=matrix_filter is not None)
     plan = make_plan(param_specs(sites), dp.shard_size, planner).with_mesh_shape(*dp.shape)
+    for fqn, note in plan.notes.items():
+        logger.warning("matrixfsdp: %s: %s", fqn, note)
+    if selection_notes:
+        plan = plan.model_copy(update={"notes": {**selection_notes, **plan.notes}})
     torch_impl = "auto" if collectives == "nvshmem" else collectives
     comm: OwnerComm = TorchOwnerComm(
         dp.shard_group,
@@ -126,14 +142,21 @@ def fully_shard_matrix(
     state.register_hooks()
     _register_refresh_hooks(model, state)
     model.__dict__[_STATE_ATTR] = state
-    for fqn, note in plan.notes.items():
-        logger.warning("matrixfsdp: %s: %s", fqn, note)
+    _log_summary(plan, len(matrix_groups))
+    return model
+
+
+def _log_summary(plan: Plan, num_groups: int) -> None:
+    """One INFO line: what goes to owners, what stays in the tail, and the plan's balance."""
+    selection = plan.selection()
     logger.info(
-        "matrixfsdp: %d matrices in %d groups over %d ranks x %d replicas (plan %s, max/mean "
-        "%.3f)", len(plan.matrices), len(matrix_groups), plan.world_size, dp.replicate_size,
+        "matrixfsdp: %d matrices and %d expert stacks (%d as expert slices) go to owners, "
+        "%d tensors stay in the tail; %d groups over %d ranks x %d replicas (plan %s, max/mean "
+        "bytes %.3f)",
+        len(selection.matrices), len(selection.stacks), len(plan.sharded_stacks),
+        len(selection.tail), num_groups, plan.world_size, plan.replicate_size,
         plan.plan_hash()[:12], plan.imbalance("bytes"),
     )
-    return model
 
 
 def get_state(model: nn.Module) -> MatrixFSDPState:
@@ -154,6 +177,8 @@ def get_plan(model: nn.Module) -> Plan:
     """The owner plan the model was wrapped with (a pydantic ``Plan``).
 
     Its ``world_size`` is the shard size and ``mesh_shape`` the mesh's ``(replicate, shard)``.
+    ``get_plan(model).selection()`` lists the FQNs of the owner matrices, the 3-D expert stacks
+    and the tail; ``.notes`` says why a parameter's role differs from the default rule.
     """
     return get_state(model).plan
 

@@ -413,7 +413,8 @@ def _legacy_layout(rank: int, world: int, root: str) -> None:
         raw = json.loads((legacy / "matrixfsdp_layout.json").read_text())
         raw.pop("mesh_shape")
         raw["plan"].pop("mesh_shape")
-        digest = json.dumps(raw["plan"], sort_keys=True, separators=(",", ":")).encode()
+        old_form = {**raw["plan"], "params": [r[:-1] for r in raw["plan"]["params"]]}
+        digest = json.dumps(old_form, sort_keys=True, separators=(",", ":")).encode()
         raw["plan_hash"] = hashlib.sha256(digest).hexdigest()
         (legacy / "matrixfsdp_layout.json").write_text(json.dumps(raw))
     dist.barrier()
@@ -510,8 +511,11 @@ def test_plan_mesh_shape_compatibility() -> None:
     raw.pop("mesh_shape")
     legacy = Plan.model_validate(raw)
     assert legacy.mesh_shape is None and legacy.replicate_size == 1
-    # The digest formula of plans before the mesh shape: canonical JSON of the fields it had.
-    digest = hashlib.sha256(json.dumps(raw, sort_keys=True, separators=(",", ":")).encode())
+    # The digest formula of plans before the mesh shape (and row orientations): canonical JSON
+    # of the fields they had.
+    old_form = {**raw, "params": [row[:-1] for row in raw["params"]]}
+    assert all(row[-1] == "out_in" for row in raw["params"])
+    digest = hashlib.sha256(json.dumps(old_form, sort_keys=True, separators=(",", ":")).encode())
     assert legacy.plan_hash() == old.plan_hash() == digest.hexdigest()
     assert Plan.from_json(old.with_mesh_shape(3, 2).to_json()).mesh_shape == (3, 2)
     with pytest.raises(ValueError, match=r"mesh_shape \(2, 3\) must be"):

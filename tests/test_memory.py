@@ -198,8 +198,11 @@ def _no_collective_across_mutation(rank: int, world: int) -> None:
     # the public entry point, and the model's own load_state_dict, retire a prefetch too
     model, _ = _interrupted_training(rank, world, interrupt=False, reshard_after_forward=True)
     state = mf.get_state(model)
+    torch.manual_seed(0)
+    full = TinyTransformer(layers=4).state_dict()
     for retire in (lambda: mf.quiesce(model),
-                   lambda: model.load_state_dict(model.state_dict())):
+                   lambda: model.load_state_dict(model.state_dict()),
+                   lambda: load_full_state_dict(model, full)):
         with torch.no_grad():
             model.layers[0](torch.randn(2, 5, 16))
         assert len(state.queue) == 1

@@ -9,6 +9,7 @@ from .hsdp import DistMuonHSDPStrategy, DistMuonStrategy, MatrixFSDPHSDPStrategy
 from .replicated import DDPStrategy, Zero1OwnerStrategy
 from .sharded import (
     FSDP2AdamWStrategy,
+    FSDP2SGDMomentumStrategy,
     GatherOnceStrategy,
     MatrixFSDPP2PStrategy,
     MatrixFSDPStrategy,
@@ -30,7 +31,8 @@ STRATEGY_CLASSES: dict[str, type[Strategy]] = {
     cls.name: cls
     for cls in (DDPStrategy, ReconstructionStrategy, GatherOnceStrategy, Zero1OwnerStrategy,
                 MatrixFSDPStrategy, MatrixFSDPP2PStrategy, FSDP2AdamWStrategy,
-                MatrixFSDPHSDPStrategy, DistMuonStrategy, DistMuonHSDPStrategy)
+                FSDP2SGDMomentumStrategy, MatrixFSDPHSDPStrategy, DistMuonStrategy,
+                DistMuonHSDPStrategy)
 }
 # Strategies that implement one matrix optimizer only (the others run with every optimizer).
 ONLY_FOR: dict[str, str] = {"distmuon": "muon", "distmuon_hsdp": "muon"}

@@ -35,7 +35,10 @@ import enum
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .group import MatrixGroup
 
 __all__ = ["PendingWork", "WorkKind", "WorkQueue"]
 
@@ -51,7 +54,7 @@ class PendingWork:
     """One issued collective of ``group`` and how to retire it (see [Note: pending work])."""
 
     kind: WorkKind
-    group: Any  # the MatrixGroup that issued it
+    group: MatrixGroup  # the group that issued it
     finish: Callable[[], None]
     discard: Callable[[], None] | None = None  # None: discarding means finishing
 
@@ -92,7 +95,7 @@ class WorkQueue:
         self._entries.append(work)
         self.peak[work.kind] = max(self.peak.get(work.kind, 0), self.count(work.kind))
 
-    def take(self, kind: WorkKind, group: object) -> PendingWork | None:
+    def take(self, kind: WorkKind, group: MatrixGroup) -> PendingWork | None:
         """Remove and return ``group``'s entry of ``kind`` (the caller finishes or discards it)."""
         for work in self._entries:
             if work.kind is kind and work.group is group:

@@ -105,6 +105,7 @@ class MatrixFSDPState:
         self.requires_all_reduce = True  # HSDP: all-reduce owned gradients over the replicas
         self.params: dict[str, MatrixParam] = {p.fqn: p for g in self.groups for p in g.params}
         self.queue = WorkQueue.with_limits(DEFAULT_IN_FLIGHT)
+        self._fsdp_modules: list[FSDPModule] | None = None  # found on first quiesce()
         self._last_forward_order: list[MatrixGroup] = []
         self._reset_iteration()
 
@@ -280,9 +281,10 @@ class MatrixFSDPState:
         if in_backward():
             raise RuntimeError("matrixfsdp: quiesce() cannot run inside backward")
         self.retire_pending()
-        for module in self.root.modules():
-            if isinstance(module, FSDPModule):
-                _reshard_tail(module)
+        if self._fsdp_modules is None:
+            self._fsdp_modules = [m for m in self.root.modules() if isinstance(m, FSDPModule)]
+        for module in self._fsdp_modules:
+            _reshard_tail(module)
 
     @property
     def mesh_shape(self) -> tuple[int, int]:
