@@ -94,9 +94,9 @@ def _across_replicas_equal(model: nn.Module, opt: torch.optim.Optimizer | None =
 
 # -- subtests --------------------------------------------------------------------------------------
 def _grads_unused_frozen(rank: int, world: int, shape: tuple[int, int]) -> None:
-    """One backward: grads == the reference's; an unused branch used on rank 0 only (so in one
-    replica) gets the exact global average; one used nowhere stays None; a frozen matrix gets
-    nothing and is never reduced."""
+    """One backward: grads == the reference's; a branch used on ranks 0 and 3 only (in 2x2: one
+    rank of each replica, in different shard coordinates) gets the exact global average; one
+    used nowhere stays None; a frozen matrix gets nothing and is never reduced."""
     ref, model = _pair()
     for m in (ref, model):
         m.layers[0].up.weight.requires_grad_(False)
@@ -104,8 +104,8 @@ def _grads_unused_frozen(rank: int, world: int, shape: tuple[int, int]) -> None:
     state = mf.get_state(model)
     assert mf.get_plan(model).mesh_shape == shape and mf.get_plan(model).world_size == shape[1]
     tokens = global_batch(0)
-    _reference_loss(ref, tokens, world, unused_on=(0,)).backward()
-    model.layers[1].use_unused = rank == 0
+    _reference_loss(ref, tokens, world, unused_on=(0, 3)).backward()
+    model.layers[1].use_unused = rank in (0, 3)
     lm_loss(model, local_batch(tokens, rank, world)).backward()
     assert state.queue.peak.get(WorkKind.ALL_REDUCE, 0) == (1 if shape[0] > 1 else 0)
     grads = full_values(model, "grad")
