@@ -231,6 +231,18 @@ def _hsdp_projection_table(projections: dict[str, Any]) -> list[str]:
                          f"{f['optimizer_s'] * 1e3:.0f} ({f['optimizer_comm_s'] * 1e3:.0f})",
                          f"{f['total_s'] * 1e3:.0f}", fmt_bytes(sum(f["resident"].values()))])
     lines = _table(header, rows)
+    lines += ["", "HSDP projection: a shard group is one node (NVLink), a replicate group one GPU "
+              "per node (InfiniBand); inter-node bytes are what the busiest GPU receives per step "
+              "from GPUs on other nodes (direct exchange: all-gather / reduce-scatter (N−G)/N of "
+              "the buffer, all-reduce twice that, broadcast the buffer from a remote root, reduce "
+              "one buffer per remote peer at the root, all-to-all the remote rows); a phase's "
+              "communication is the busiest GPU's sum over the collectives it takes part in. The "
+              "owner all-to-all Muon baseline sends direction and update rows in the gather dtype "
+              "(bf16, as torchtitan's) and pipelines them with Newton–Schulz over one wave per "
+              "block: max(compute, comm) + min(compute, comm) / waves. Under HSDP every replica "
+              "repeats its shard group's optimizer step (one GPU steps 1/8 of the matrices, not "
+              "1/64). Resident = parameters + gradients + optimizer state (fp32), activations "
+              "excluded.", ""]
     for proj in projections.values():
         st = proj["strategies"]
         if "matrixfsdp_hsdp" in st and "fsdp2_recon_hsdp" in st:
@@ -366,3 +378,19 @@ def write_png(results: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m benchmarks.report RESULTS.json``: render the markdown of saved results again
+    (next to the JSON), e.g. after a change of wording; the figures are the saved ones."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m benchmarks.report")
+    p.add_argument("results", type=Path)
+    args = p.parse_args(argv)
+    results = json.loads(args.results.read_text())
+    args.results.with_suffix(".md").write_text(render_markdown(results))
+
+
+if __name__ == "__main__":
+    main()
