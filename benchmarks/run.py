@@ -24,11 +24,11 @@ import torch
 
 from .analysis import aggregate_world
 from .config import MEMORY_BASELINES, STRATEGIES, BenchConfig, ModelConfig, OptimConfig
-from .costmodel import project
+from .costmodel import HSDP_MODELS, PROJECTED, project, project_hsdp
 from .launch import run_world
 from .model import GPT
 from .report import render_markdown, write_json, write_png
-from .strategies import owner_plan
+from .strategies import owner_plan, strategies_for
 from .worker import memory_worker, timing_worker
 
 __all__ = ["main", "parse_args", "run"]
@@ -54,6 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="skip the per-strategy worlds measuring peak memory during the step")
     p.add_argument("--no-projection", action="store_true")
     p.add_argument("--comm-repeats", type=int, default=5)
+    p.add_argument("--hsdp-replicate", type=int, default=2,
+                   help="replicas of the HSDP strategies' (replicate, shard) mesh")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/latest.md"))
     return p.parse_args(argv)
 
@@ -62,7 +64,8 @@ def _configs(args: argparse.Namespace) -> tuple[ModelConfig, dict[str, Any]]:
     fields = {k: getattr(args, k) for k in dataclasses.asdict(ModelConfig())}
     common: dict[str, Any] = {"global_batch": args.global_batch, "warmup": args.warmup,
                               "steps": args.steps, "strategies": tuple(args.strategies),
-                              "comm_repeats": args.comm_repeats}
+                              "comm_repeats": args.comm_repeats,
+                              "hsdp_replicate": args.hsdp_replicate}
     if args.tiny:
         fields.update(TINY)
         common.update(comm_sizes=(1 << 10, 1 << 14, 1 << 16), comm_repeats=2)
@@ -102,7 +105,8 @@ def run_optimizer(opt: str, args: argparse.Namespace, model_cfg: ModelConfig,
                   common: dict[str, Any]) -> dict[str, Any]:
     """Every world size (then the projection) for one matrix optimizer."""
     optim = OptimConfig.for_name(opt, args.ns_dtype)
-    base = BenchConfig(model=model_cfg, optim=optim, world_size=1, **common)
+    common = {**common, "strategies": strategies_for(opt, common["strategies"])}
+    base = BenchConfig(model=model_cfg, optim=optim, world_size=args.worlds[0], **common)
     out: dict[str, Any] = {"optim": dataclasses.asdict(optim), "worlds": {}}
     for world in args.worlds:
         cfg = base.replace(world_size=world)
@@ -116,7 +120,11 @@ def run_optimizer(opt: str, args: argparse.Namespace, model_cfg: ModelConfig,
                 memory[name] = run_world(world, memory_worker, cfg, name)
         out["worlds"][world] = aggregate_world(cfg, timing, memory)
     if not args.no_projection:
-        out["projection"] = project(opt, args.strategies)
+        flat = [n for n in strategies_for(opt, tuple(args.strategies)) if n in PROJECTED]
+        out["projection"] = project(opt, flat)
+        if opt == "muon":
+            out["hsdp_projection"] = {name: project_hsdp(opt, shape)
+                                      for name, shape in HSDP_MODELS.items()}
     return out
 
 

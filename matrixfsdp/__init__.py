@@ -19,8 +19,10 @@ _EXPORTS = {
     "fully_shard_matrix": "matrixfsdp.api",
     "get_plan": "matrixfsdp.api",
     "get_state": "matrixfsdp.api",
+    "init_hsdp_mesh": "matrixfsdp.api",
     "is_matrix_wrapped": "matrixfsdp.api",
     "quiesce": "matrixfsdp.api",
+    "set_requires_all_reduce": "matrixfsdp.api",
     "set_requires_gradient_sync": "matrixfsdp.api",
     "MatrixOptimizer": "matrixfsdp.optim",
     "register_matrix_optimizer": "matrixfsdp.optim",
@@ -41,11 +43,13 @@ __all__ = [
     "fully_shard_matrix",
     "get_plan",
     "get_state",
+    "init_hsdp_mesh",
     "is_matrix_wrapped",
     "memory",
     "planner",
     "quiesce",
     "register_matrix_optimizer",
+    "set_requires_all_reduce",
     "set_requires_gradient_sync",
 ]
 
@@ -56,8 +60,10 @@ if TYPE_CHECKING:
         fully_shard_matrix,
         get_plan,
         get_state,
+        init_hsdp_mesh,
         is_matrix_wrapped,
         quiesce,
+        set_requires_all_reduce,
         set_requires_gradient_sync,
     )
     from .optim import MatrixOptimizer, register_matrix_optimizer

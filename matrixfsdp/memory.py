@@ -248,6 +248,7 @@ class GroupBytes(NamedTuple):
     gather_buffers: int
     grads: int
     reduce_buffers: int
+    all_reduce_buffer: int = 0  # HSDP: the owned segment's copy all-reduced over the replicas
 
 
 @dataclass(frozen=True)
@@ -263,6 +264,8 @@ class MatrixMemory:
     - ``grads``: the group's full-size gradients (compute dtype), which every rank computes.
     - ``reduce_buffers``: a reduction's packed buffer (every trainable matrix + a presence flag,
       reduce dtype) and, all-to-all form, the receive buffer (N copies of the own segment).
+    - ``all_reduce_buffer``: under HSDP (``plan.mesh_shape`` with replicas), the copy of this
+      rank's summed segment (values and flags) being all-reduced over its replicate group.
     ``owned`` is the bytes of the matrices this rank owns (each also gets a gradient of the same
     size and the optimizer's state).
     """
@@ -276,9 +279,11 @@ class MatrixMemory:
     def transient(self, *, gathered: int = 2, reducing: int = 1) -> int:
         """Matrix bytes beyond the owned ones at any moment of a step, bounded by the runtime's
         limits: ``gathered`` groups unsharded (one with its gather in flight), one group's
-        gradients being computed, and ``reducing`` groups' reduction buffers."""
+        gradients being computed, ``reducing`` groups' reduction buffers and (HSDP) one
+        all-reduce over the replicas."""
         return (gathered * self.largest("gathered") + self.largest("gather_buffers")
-                + self.largest("grads") + reducing * self.largest("reduce_buffers"))
+                + self.largest("grads") + reducing * self.largest("reduce_buffers")
+                + self.largest("all_reduce_buffer"))
 
 
 def matrix_memory(plan: Plan, rank: int, *, collectives: str = "auto",
@@ -287,7 +292,8 @@ def matrix_memory(plan: Plan, rank: int, *, collectives: str = "auto",
     """Per-rank matrix bytes of ``plan`` (pure arithmetic; all matrices assumed trainable).
 
     ``collectives`` is ``fully_shard_matrix``'s argument (``"auto"`` decides per group as the
-    runtime does); the item sizes default to the matrices' own dtype.
+    runtime does); the item sizes default to the matrices' own dtype. ``rank`` is the rank in
+    the plan's world: under HSDP, the shard coordinate.
     """
     from .collectives.torch_backend import uses_p2p
 
@@ -311,6 +317,7 @@ def matrix_memory(plan: Plan, rank: int, *, collectives: str = "auto",
             buffers = (total - own + (world - 1) * own) * size
             recv = world * (own + counts[rank]) * red
         flat = (total + sum(counts)) * red
-        groups[name] = GroupBytes(gathered, buffers, total * size, flat + recv)
+        all_reduce = (own + counts[rank]) * red if plan.replicate_size > 1 else 0
+        groups[name] = GroupBytes(gathered, buffers, total * size, flat + recv, all_reduce)
     owned = sum(m.nbytes for m in plan.owned_by(rank) if m.role == "matrix")
     return MatrixMemory(owned, groups)

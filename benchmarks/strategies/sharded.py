@@ -212,11 +212,11 @@ class MatrixFSDPStrategy(Strategy):
 
     name = "matrixfsdp"
 
-    def __init__(self, model: nn.Module, ctx: StrategyContext) -> None:
+    def __init__(self, model: nn.Module, ctx: StrategyContext, *, mesh: Any = None) -> None:
         super().__init__(model, ctx)
-        mf.fully_shard_matrix(model, planner=planner_for(ctx.optim.name))
+        mf.fully_shard_matrix(model, mesh, planner=planner_for(ctx.optim.name))
         self.runtime = mf.get_state(model)
-        if self.runtime.plan.plan_hash() != ctx.plan.plan_hash():
+        if mesh is None and self.runtime.plan.params != ctx.plan.params:
             raise RuntimeError("matrixfsdp's plan differs from the plan the baselines use")
         o = ctx.optim
         self.opt = mf.MatrixOptimizer(

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from .group import GroupState, MatrixGroup
 from .matrix_param import MatrixParam
+from .mesh import DataParallelMesh, init_hsdp_mesh
 from .pending import PendingWork, WorkKind, WorkQueue
 from .state import MatrixFSDPState, in_backward
 
 __all__ = [
+    "DataParallelMesh",
     "GroupState",
     "MatrixFSDPState",
     "MatrixGroup",
@@ -16,4 +18,5 @@ __all__ = [
     "WorkKind",
     "WorkQueue",
     "in_backward",
+    "init_hsdp_mesh",
 ]

@@ -11,15 +11,20 @@ Every collective the runtime issues asynchronously becomes one ``PendingWork`` e
 Bounds: at most ``limits[kind]`` entries of each kind are in flight. Pushing one more first
 retires (discards) the oldest of that kind, so memory held by in-flight work is bounded by
 construction: one prefetched gather (plus the group being computed), one reduction (FSDP2 keeps
-one reduce-scatter in flight the same way). A group's reduction makes room *before* packing its
+one reduce-scatter in flight the same way), one replicate all-reduce. A group's reduction makes room *before* packing its
 gradients, so the previous group's buffers are freed before the next ones are allocated.
-Waiting is local and never issues a collective, so retiring work early or late cannot break the
-rule that every rank issues the same collectives in the same order.
+Waiting is local, so retiring work early or late cannot break the rule that every rank issues
+the same collectives in the same order (the one collective a finish issues, below, follows the
+FIFO order of reductions on every rank, whenever they are retired).
 
-Extending it: a new kind of asynchronous work (for instance an all-reduce of an owner's gradient
-over a replicate group after its reduce-to-owner, under HSDP) is one more ``WorkKind`` with its
-own limit; the reduction's ``finish`` issues it and pushes it, so it is bounded and drained like
-the rest. On a GPU, ``finish``/``discard`` can make the compute stream wait a CUDA event recorded
+Under HSDP (see [Note: HSDP mesh]) a reduction's ``finish`` hands each owner its summed
+segment and issues one more collective: the all-reduce of that segment over the replicate group
+(``ALL_REDUCE``, at most one in flight, issued async and waited when the next one is pushed or at
+the end of backward, as FSDP2 overlaps its HSDP all-reduce). Its ``finish`` averages and
+accumulates the owners' gradients. It holds only the owned segment (a copy), never the group's
+full reduction buffer. A new kind of asynchronous work is one more ``WorkKind`` with its own
+limit, pushed by whatever issues it, so it is bounded and drained like the rest. On a GPU,
+``finish``/``discard`` can make the compute stream wait a CUDA event recorded
 after the collective on its stream (instead of blocking the host), and release the buffers to the
 caching allocator once that event is known complete; the queue's order and limits stay the same.
 """
@@ -41,6 +46,7 @@ __all__ = ["PendingWork", "WorkKind", "WorkQueue"]
 class WorkKind(enum.Enum):
     GATHER = "gather"  # a group's owner-segment all-gather-v issued ahead of use (prefetch)
     REDUCE = "reduce"  # a group's reduce-to-owners of its gradients
+    ALL_REDUCE = "all_reduce"  # HSDP: owners' reduced gradients summed over the replicate group
 
 
 @dataclass(eq=False)

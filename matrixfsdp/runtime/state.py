@@ -15,8 +15,9 @@
 - Post-backward (gradient reaching the group's inputs): the autograd engine runs every
   AccumulateGrad node as soon as it is ready (highest priority), so all of the group's parameter
   gradients are in place; wait the previous group's reduction (its owners' gradients land in
-  ``.grad`` and its buffers are freed), pack this group's gradients and start their reduction to
-  the owners (async), and reshard. This event happens at the same point of the backward on every
+  ``.grad`` and its buffers are freed; under HSDP its owners' all-reduce over the replicate
+  group starts instead, and the one before it lands), pack this group's gradients and start
+  their reduction to the owners (async), and reshard. This event happens at the same point of the backward on every
   rank, also when some matrix got no gradient on some rank, so every rank issues the same
   collectives in the same order.
 - End of backward: reduce groups whose post-backward never fired (their inputs needed no grad),
@@ -24,9 +25,10 @@
 Activation-checkpoint recomputation re-enters the forward hooks inside backward; they then only
 swap parameters (``torch._C._current_graph_task_id() != -1`` tells us we are in backward).
 In-flight collectives live in one ``WorkQueue`` (see [Note: pending work]): at most one
-prefetched gather and one reduction. So at most two groups are gathered at once (the one computing
-and the prefetched one), and at most one group's reduction buffers exist at any moment: the
-previous group's are retired before the next group packs its gradients.
+prefetched gather, one reduction and (HSDP) one replicate all-reduce. So at most two groups are
+gathered at once (the one computing and the prefetched one), and at most one group's reduction
+buffers exist at any moment: the previous group's are retired before the next group packs its
+gradients (an all-reduce in flight holds only one owner's segment).
 """
 
 from __future__ import annotations
@@ -44,8 +46,9 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..collectives import OwnerComm, Phase, comm_phase
 from ..planner import Plan
-from .group import GroupState, MatrixGroup
+from .group import GroupState, MatrixGroup, PendingReduce
 from .matrix_param import MatrixParam
+from .mesh import DataParallelMesh
 from .pending import PendingWork, WorkKind, WorkQueue
 
 __all__ = ["DEFAULT_IN_FLIGHT", "MatrixFSDPState", "in_backward"]
@@ -53,7 +56,9 @@ __all__ = ["DEFAULT_IN_FLIGHT", "MatrixFSDPState", "in_backward"]
 logger = logging.getLogger(__name__)
 
 # How many collectives of each kind may be in flight (see [Note: pending work]).
-DEFAULT_IN_FLIGHT: dict[WorkKind, int] = {WorkKind.GATHER: 1, WorkKind.REDUCE: 1}
+DEFAULT_IN_FLIGHT: dict[WorkKind, int] = {
+    WorkKind.GATHER: 1, WorkKind.REDUCE: 1, WorkKind.ALL_REDUCE: 1,
+}
 
 
 def in_backward() -> bool:
@@ -84,7 +89,7 @@ class MatrixFSDPState:
         plan: Plan,
         groups: Sequence[MatrixGroup],
         comm: OwnerComm,
-        mesh: object,
+        mesh: DataParallelMesh,
         reshard_after_forward: bool,
         prefetch: bool = True,
     ) -> None:
@@ -92,10 +97,12 @@ class MatrixFSDPState:
         self.plan = plan
         self.groups = list(groups)
         self.comm = comm
-        self.mesh = mesh
+        self.dp_mesh = mesh
+        self.mesh = mesh.mesh  # the DeviceMesh the tail is sharded on (1-D, or 2-D for HSDP)
         self.reshard_after_forward = reshard_after_forward
         self.prefetch = prefetch
         self.requires_grad_sync = True
+        self.requires_all_reduce = True  # HSDP: all-reduce owned gradients over the replicas
         self.params: dict[str, MatrixParam] = {p.fqn: p for g in self.groups for p in g.params}
         self.queue = WorkQueue.with_limits(DEFAULT_IN_FLIGHT)
         self._fsdp_modules: list[FSDPModule] | None = None  # found on first quiesce()
@@ -228,7 +235,14 @@ class MatrixFSDPState:
         self.queue.make_room(WorkKind.REDUCE)
         reduce = group.reduce_grads()
         self.queue.push(PendingWork(WorkKind.REDUCE, group,
-                                    finish=functools.partial(group.finish_reduce, reduce)))
+                                    finish=functools.partial(self._finish_reduce, group, reduce)))
+
+    def _finish_reduce(self, group: MatrixGroup, reduce: PendingReduce) -> None:
+        """Land a reduction; under HSDP its owners' all-reduce over the replicas starts now."""
+        all_reduce = group.finish_reduce(reduce, all_reduce=self.requires_all_reduce)
+        if all_reduce is not None:  # issued before the previous one is waited: they overlap
+            self.queue.push(PendingWork(WorkKind.ALL_REDUCE, group, finish=functools.partial(
+                group.finish_all_reduce, all_reduce)))
 
     def _queue_final_callback(self) -> None:
         if not self._callback_queued:
@@ -271,6 +285,16 @@ class MatrixFSDPState:
             self._fsdp_modules = [m for m in self.root.modules() if isinstance(m, FSDPModule)]
         for module in self._fsdp_modules:
             _reshard_tail(module)
+
+    @property
+    def mesh_shape(self) -> tuple[int, int]:
+        """``(replicate, shard)``: ``(1, N)`` on a flat mesh (see [Note: HSDP mesh])."""
+        return self.dp_mesh.shape
+
+    @property
+    def replica_rank(self) -> int:
+        """This rank's replica (its coordinate on the replicate dim; 0 on a flat mesh)."""
+        return self.dp_mesh.replica_rank
 
     def resident_matrix_bytes(self) -> int:
         """Bytes of matrix storage this rank holds right now (owned shards + any gathered)."""
