@@ -11,10 +11,10 @@ from .config import BenchConfig
 from .costmodel import fit_alpha_beta, predict_measured
 from .measure import Collective, summarize
 from .model import GPT
-from .schedule import Setup, per_rank_recv, resident_model, schedule
+from .schedule import Setup, is_hsdp, per_rank_calls, per_rank_recv, resident_model, schedule
 from .strategies import owner_plan
 
-__all__ = ["aggregate_world", "targets"]
+__all__ = ["aggregate_world", "memory_figures", "setup_for", "targets"]
 
 PHASES = ("forward", "backward", "optimizer")
 _TIMES = ("forward", "fwd_bwd", "optimizer", "fwd_bwd_cpu", "optimizer_cpu")
@@ -52,6 +52,18 @@ def _fwd_bwd_sent(rank_results: list[dict[str, Any]], name: str) -> int:
                    if c["phase"] != "optimizer") for r in rank_results)
 
 
+def _by_dim(rank_results: list[dict[str, Any]], name: str) -> dict[str, dict[str, dict[str, int]]]:
+    """Per phase and mesh dim: calls and bytes received by the busiest rank (dist-level tally)."""
+    out: dict[str, dict[str, dict[str, int]]] = {}
+    for r in rank_results:
+        for ph, dims in r["counted"][name]["by_dim"].items():
+            for dim, v in dims.items():
+                slot = out.setdefault(ph, {}).setdefault(dim, {"calls": 0, "recv": 0})
+                slot["calls"] = max(slot["calls"], v["calls"])
+                slot["recv"] = max(slot["recv"], v["recv"])
+    return out
+
+
 def _resident(rank_results: list[dict[str, Any]], name: str) -> dict[str, Any]:
     per_rank = [r["counted"][name]["resident"] for r in rank_results]
     worst = max(per_rank, key=lambda d: sum(d.values()))
@@ -59,19 +71,30 @@ def _resident(rank_results: list[dict[str, Any]], name: str) -> dict[str, Any]:
             "per_rank_total": [sum(d.values()) for d in per_rank]}
 
 
+def setup_for(cfg: BenchConfig, name: str) -> Setup:
+    """The schedule's setup of strategy ``name`` (HSDP: the plan over the shard size)."""
+    torch.manual_seed(cfg.seed)
+    replicate = cfg.hsdp_replicate if is_hsdp(name) else 1
+    plan = owner_plan(GPT(cfg.model), cfg.world_size // replicate, cfg.optim.name)
+    return Setup(plan, cfg.optim.name, replicate=replicate)
+
+
 def _schedule_check(cfg: BenchConfig, comm: dict[str, Any], resident: dict[str, Any]) -> dict:
     """The analytic schedule / resident model against the counted figures, per strategy."""
-    torch.manual_seed(cfg.seed)
-    setup = Setup(owner_plan(GPT(cfg.model), cfg.world_size, cfg.optim.name), cfg.optim.name)
     out = {}
+    world = cfg.world_size
     for name in comm:
+        setup = setup_for(cfg, name)
         ops = schedule(setup, name)
         modeled = {}
         for ph in PHASES:
-            recv = [0] * cfg.world_size
-            for op in (o for o in ops if o.phase == ph):
-                recv = [a + b for a, b in zip(recv, per_rank_recv(op, cfg.world_size), strict=True)]
-            modeled[ph] = {"calls": sum(o.phase == ph for o in ops), "recv": max(recv)}
+            recv = [0] * world
+            mine = [o for o in ops if o.phase == ph]
+            for op in mine:
+                recv = [a + b for a, b in zip(recv, per_rank_recv(op, world, setup.mesh_shape),
+                                              strict=True)]
+            modeled[ph] = {"calls": max(per_rank_calls(mine, world, setup.mesh_shape)),
+                           "recv": max(recv)}
         res = max(sum(d.values()) for d in resident_model(setup, name))
         out[name] = {
             "match": all(modeled[ph]["calls"] == comm[name][ph]["calls"]
@@ -101,6 +124,15 @@ def _references(cfg: BenchConfig, timing: list[dict[str, Any]]) -> tuple[dict[st
     return out, share
 
 
+def memory_figures(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """Busiest rank per phase: live tensor bytes and RSS above the RSS before the model."""
+    return {
+        "live": {ph: max(r["live_by_phase"][ph] for r in ranks) for ph in PHASES},
+        "rss": {ph: max(r["rss_by_phase"][ph] - r["rss_before"] for r in ranks) for ph in PHASES},
+        "live_start": max(r["live_start"] for r in ranks),
+    }
+
+
 def aggregate_world(cfg: BenchConfig, timing: list[dict[str, Any]],
                     memory: dict[str, list[dict[str, Any]]] | None) -> dict[str, Any]:
     """Everything the report needs about one (optimizer, world size) run."""
@@ -110,22 +142,28 @@ def aggregate_world(cfg: BenchConfig, timing: list[dict[str, Any]],
         strategies[name] = {"times": _times(timing, name), "losses": _losses(timing, name),
                             "comm": _comm(timing, name), "resident": _resident(timing, name),
                             "fwd_bwd_sent": _fwd_bwd_sent(timing, name)}
+        strategies[name]["by_dim"] = _by_dim(timing, name)
         if memory and name in memory:
             ranks = memory[name]
             strategies[name]["peak_rss"] = max(r["peak_rss"] for r in ranks)
             strategies[name]["peak_rss_delta"] = max(r["peak_rss"] - r["rss_before"] for r in ranks)
-        if "library_counter" in timing[0]["counted"][name]:
-            strategies[name]["library_counter"] = timing[0]["counted"][name]["library_counter"]
+        counted = timing[0]["counted"][name]
+        for key in ("library_counter", "library_by_dim"):
+            if key in counted:
+                strategies[name][key] = counted[key]
     reference = strategies["ddp"]["losses"] if "ddp" in strategies else None
     loss_diff = {}
     for name, s in strategies.items():
         if reference is not None and name != "fsdp2_adamw":
             loss_diff[name] = max(abs(a - b) for a, b in zip(s["losses"], reference, strict=True))
+    memory_peaks = {name: memory_figures(ranks) for name, ranks in (memory or {}).items()}
     fits = fit_alpha_beta(r["comm_samples"] for r in timing)
     ref, share = _references(cfg, timing)
     predicted = predict_measured(timing, ref, cfg.world_size, share, fits)
     return {
         "world_size": cfg.world_size, "strategies": strategies, "loss_diff_vs_ddp": loss_diff,
+        "hsdp_shape": f"{cfg.hsdp_replicate}x{cfg.world_size // cfg.hsdp_replicate}",
+        "memory": memory_peaks,
         "alpha_beta": fits, "predicted": predicted, "reference": ref, "contention": share,
         "ideal_optimizer_s": (ref["matrix_step"] + ref["tail_adamw"]) / cfg.world_size,
         "ideal_optimizer_cpu_s": ref["optimizer_cpu"] / cfg.world_size,

@@ -8,6 +8,7 @@ from typing import Any
 
 __all__ = [
     "DEFAULT_LR",
+    "MEMORY_BASELINES",
     "STRATEGIES",
     "STRATEGY_LABELS",
     "BenchConfig",
@@ -18,7 +19,7 @@ __all__ = [
 # Run order inside one round; the timing loop rotates it every round.
 STRATEGIES: tuple[str, ...] = (
     "ddp", "fsdp2_recon", "gather_once", "zero1_owner", "matrixfsdp", "matrixfsdp_p2p",
-    "fsdp2_adamw",
+    "fsdp2_adamw", "matrixfsdp_hsdp", "distmuon", "distmuon_hsdp",
 )
 STRATEGY_LABELS: dict[str, str] = {
     "ddp": "DDP + matrix opt",
@@ -28,7 +29,15 @@ STRATEGY_LABELS: dict[str, str] = {
     "matrixfsdp": "matrixfsdp",
     "matrixfsdp_p2p": "matrixfsdp (broadcast/reduce)",
     "fsdp2_adamw": "FSDP2 + AdamW (floor)",
+    "fsdp2_sgdm": "FSDP2 + SGD-momentum (Muon's state size)",
+    "matrixfsdp_hsdp": "matrixfsdp HSDP",
+    "distmuon": "FSDP2 + owner all-to-all Muon",
+    "distmuon_hsdp": "FSDP2 HSDP + owner all-to-all Muon",
+    "fsdp2_recon_hsdp": "FSDP2 HSDP + reconstruction",
 }
+# Measured for memory only (their update is not the matrix optimizer's): peak per phase beside
+# the strategies above, e.g. the stock FSDP2 run whose optimizer state has Muon's size.
+MEMORY_BASELINES: tuple[str, ...] = ("fsdp2_sgdm",)
 DEFAULT_LR: dict[str, float] = {"muon": 0.02, "okls": 0.01}
 
 
@@ -103,6 +112,7 @@ class BenchConfig:
     seed: int = 0
     comm_sizes: tuple[int, ...] = (1 << 12, 1 << 16, 1 << 19, 1 << 21, 1 << 22)
     comm_repeats: int = 5
+    hsdp_replicate: int = 2  # replicas of the HSDP strategies' (replicate, shard) mesh
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -114,6 +124,12 @@ class BenchConfig:
             )
         if self.steps < 1 or self.warmup < 0:
             raise ValueError(f"need steps >= 1 and warmup >= 0, got {self.steps}, {self.warmup}")
+        hsdp = [s for s in self.strategies if s.endswith("_hsdp")]
+        if hsdp and (self.hsdp_replicate < 1 or self.world_size % self.hsdp_replicate):
+            raise ValueError(
+                f"BenchConfig.hsdp_replicate ({self.hsdp_replicate}) must divide world_size "
+                f"({self.world_size}) for the HSDP strategies {hsdp}"
+            )
         unknown = [s for s in self.strategies if s not in STRATEGIES]
         if unknown:
             raise ValueError(f"unknown strategies {unknown}; choose from {list(STRATEGIES)}")

@@ -20,7 +20,7 @@ max(in, out); the rest: n), the x of the α–β fit in ``costmodel``.
 from __future__ import annotations
 
 import contextlib
-import resource
+import inspect
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -31,8 +31,16 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
+from matrixfsdp.memory import (
+    peak_rss_bytes,
+    pin_malloc_mmap_threshold,
+    reset_peak_rss,
+    rss_bytes,
+)
+
 __all__ = [
     "Collective",
+    "count_by_dim",
     "count_collectives",
     "peak_rss_bytes",
     "reset_peak_rss",
@@ -124,6 +132,74 @@ def count_collectives(phase: str, fn: Callable[[], Any], world: int) -> tuple[An
     return result, out
 
 
+_DIM_OPS = ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_single",
+            "reduce_scatter_tensor", "all_reduce", "all_to_all_single", "broadcast", "reduce")
+
+
+def _dist_record(phase: str, op: str, bound: inspect.BoundArguments, n: int,
+                 group: Any) -> Collective:
+    """One ``torch.distributed`` call as a ``Collective`` (the profiler-count conventions of the
+    Note, with the call's own group size ``n``)."""
+    values = list(bound.arguments.values())
+    first = values[0]  # the output (or the in-place tensor) of every op counted here
+    nbytes = first.numel() * first.element_size()
+    if op in ("all_gather_single", "all_gather_into_tensor"):
+        return _symmetric(phase, "all_gather", nbytes // n, n)
+    if op in ("reduce_scatter_single", "reduce_scatter_tensor"):
+        inp = values[1].numel() * values[1].element_size()
+        gloo = "gloo" in str(dist.get_backend(group))  # gloo reduce-scatters by an all-reduce
+        return _symmetric(phase, "all_reduce" if gloo else "reduce_scatter", inp, n)
+    if op == "all_reduce":
+        return _symmetric(phase, "all_reduce", nbytes, n)
+    if op == "all_to_all_single":
+        sent = values[1].numel() * values[1].element_size()
+        return Collective(phase, "all_to_all", max(sent, nbytes), nbytes, sent)
+    a = bound.arguments
+    key = "src" if op == "broadcast" else "dst"
+    root = a.get(key)
+    if root is None and a.get(f"group_{key}") is not None:
+        root = dist.get_global_rank(group or dist.group.WORLD, a[f"group_{key}"])
+    am_root = root == dist.get_rank()
+    many = (n - 1) * nbytes
+    if op == "broadcast":
+        return Collective(phase, op, nbytes, 0 if am_root else nbytes, many if am_root else 0)
+    return Collective(phase, op, nbytes, many if am_root else 0, 0 if am_root else nbytes)
+
+
+@contextlib.contextmanager
+def count_by_dim(dims: dict[tuple[int, ...], str],
+                 phase: str) -> Iterator[list[tuple[str, Collective]]]:
+    """Every ``torch.distributed`` collective call made in the block, with the mesh dim of its
+    group: ``dims`` maps a group's global ranks to its dim name (other groups: "other").
+
+    Unlike the profiler's events these know their group's size, so HSDP strategies (groups
+    smaller than the world) are counted exactly. Functional collectives (DTensor
+    redistribution) do not pass through here.
+    """
+    out: list[tuple[str, Collective]] = []
+    originals = {op: getattr(dist, op) for op in _DIM_OPS if hasattr(dist, op)}
+    signatures = {op: inspect.signature(fn) for op, fn in originals.items()}
+
+    def wrap(op: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            bound = signatures[op].bind(*args, **kwargs)
+            group = bound.arguments.get("group")
+            ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
+            out.append((dims.get(ranks, "other"),
+                        _dist_record(phase, op, bound, len(ranks), group)))
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    for op, fn in originals.items():
+        setattr(dist, op, wrap(op, fn))
+    try:
+        yield out
+    finally:
+        for op, fn in originals.items():
+            setattr(dist, op, fn)
+
+
 def _symmetric(phase: str, op: str, s: int, world: int) -> Collective:
     if op == "all_gather":
         return Collective(phase, op, world * s, (world - 1) * s, (world - 1) * s)
@@ -192,46 +268,5 @@ def _a2a(n: int, world: int, rank: int) -> Callable[[], Any]:
 
 
 # -- process memory ---------------------------------------------------------------------------------
-def _status_bytes(field: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-def rss_bytes() -> int:
-    """Current resident set size (``VmRSS``; 0 where /proc is unavailable)."""
-    return _status_bytes("VmRSS") or 0
-
-
-def track_live_memory() -> bool:
-    """Make RSS follow live memory: glibc serves allocations >= 64 KiB by ``mmap`` and returns
-    freed memory to the OS at once (``mallopt`` ``M_MMAP_THRESHOLD``, ``M_TRIM_THRESHOLD``), so
-    a peak RSS is not an artifact of which freed chunks the allocator happened to cache."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(-3, 65536)) and bool(libc.mallopt(-1, 0))
-    except (OSError, AttributeError):
-        return False
-
-
-def reset_peak_rss() -> bool:
-    """Reset the kernel's RSS high-water mark to the current RSS (Linux ``clear_refs`` 5)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def peak_rss_bytes() -> int:
-    """RSS high-water mark (``VmHWM``; else ``getrusage`` ``ru_maxrss``)."""
-    hwm = _status_bytes("VmHWM")
-    return hwm if hwm is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+# The library's own helpers (matrixfsdp.memory), under the names this package has always used.
+track_live_memory = pin_malloc_mmap_threshold

@@ -9,7 +9,7 @@ from typing import Any
 from .analysis import PHASES, targets
 from .config import STRATEGY_LABELS
 
-__all__ = ["render_markdown", "write_json", "write_png"]
+__all__ = ["memory_table", "render_markdown", "write_json", "write_png"]
 
 BASELINES = ("ddp", "fsdp2_recon", "gather_once", "zero1_owner", "fsdp2_adamw")
 
@@ -37,7 +37,7 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 def _strategy_table(run: dict[str, Any]) -> list[str]:
     header = ["strategy", "opt step ms", "fwd+bwd ms", "total ms", "opt CPU ms",
               "fwd coll", "bwd coll", "opt coll", "fwd+bwd sent", "resident (params / grads / "
-              "state)", "peak RSS (Δ over start)"]
+              "state)", "peak RSS in the step (Δ over start)"]
     rows = []
     for name, s in run["strategies"].items():
         t, c, r = s["times"], s["comm"], s["resident"]
@@ -72,6 +72,27 @@ def _ratio_table(run: dict[str, Any]) -> list[str]:
                      *(f"{b['times'][k] / mf['times'][k]:.2f}x"
                        for k in ("optimizer", "fwd_bwd", "total")),
                      bytes_cell, f"{b['resident']['total'] / mf['resident']['total']:.2f}x", rss])
+    return _table(header, rows)
+
+
+MEMORY_BASE = "fsdp2_sgdm"
+
+
+def memory_table(memory: dict[str, Any]) -> list[str]:
+    """Peak per rank *during* each phase of a step: live tensor bytes and RSS (Δ over the RSS
+    before the model was built), busiest rank, with each strategy's whole-step peak ÷ the
+    baseline's (stock FSDP2 with Muon's optimizer-state size) where it was measured."""
+    header = ["strategy", "live fwd", "live bwd", "live opt", "RSS Δ fwd", "RSS Δ bwd",
+              "RSS Δ opt", "peak live ÷ FSDP2+SGD-m", "peak RSS Δ ÷ FSDP2+SGD-m"]
+    base = memory.get(MEMORY_BASE)
+    rows = []
+    for name, m in memory.items():
+        live, rss = m["live"], m["rss"]
+        ratios = ["-", "-"]
+        if base is not None:
+            ratios = [f"{max(m[k].values()) / max(base[k].values()):.2f}x" for k in ("live", "rss")]
+        rows.append([_label(name), *(fmt_bytes(live[ph]) for ph in PHASES),
+                     *(fmt_bytes(rss[ph]) for ph in PHASES), *ratios])
     return _table(header, rows)
 
 
@@ -150,6 +171,88 @@ def _projection_table(proj: dict[str, Any]) -> list[str]:
     return lines
 
 
+HSDP_MEASURED = ("matrixfsdp", "matrixfsdp_hsdp", "distmuon", "distmuon_hsdp", "fsdp2_adamw")
+
+
+def _dim_cell(s: dict[str, Any], phases: tuple[str, ...], dim: str) -> str:
+    calls = sum(s["by_dim"].get(ph, {}).get(dim, {}).get("calls", 0) for ph in phases)
+    recv = sum(s["by_dim"].get(ph, {}).get(dim, {}).get("recv", 0) for ph in phases)
+    return f"{calls} / {fmt_bytes(recv)}" if calls else "0"
+
+
+def _hsdp_table(run: dict[str, Any]) -> list[str]:
+    """Flat against HSDP, measured in the same interleaved world."""
+    s = run["strategies"]
+    names = [n for n in HSDP_MEASURED if n in s]
+    if "matrixfsdp_hsdp" not in s:
+        return []
+    header = ["strategy", "fwd+bwd ms", "opt step ms", "total ms",
+              "fwd+bwd: shard dim calls / recv", "fwd+bwd: replicate dim calls / recv",
+              "opt: shard dim", "opt: replicate dim", "peak live tensor bytes in the step"]
+    rows = []
+    for name in names:
+        t = s[name]["times"]
+        mem = run.get("memory", {}).get(name)
+        live = fmt_bytes(max(mem["live"].values())) if mem else "not run"
+        rows.append([_label(name), _ms(t["fwd_bwd"]), _ms(t["optimizer"]), _ms(t["total"]),
+                     _dim_cell(s[name], ("forward", "backward"), "shard"),
+                     _dim_cell(s[name], ("forward", "backward"), "replicate"),
+                     _dim_cell(s[name], ("optimizer",), "shard"),
+                     _dim_cell(s[name], ("optimizer",), "replicate"), live])
+    lines = _table(header, rows)
+    flat, hsdp = s.get("matrixfsdp"), s["matrixfsdp_hsdp"]
+    if flat is not None:
+        ratio = hsdp["times"]["fwd_bwd"] / flat["times"]["fwd_bwd"]
+        lines += ["", f"matrixfsdp HSDP ÷ flat, forward+backward (medians, same run): "
+                      f"{ratio:.3f} (target <= 1.10: {'met' if ratio <= 1.10 else 'NOT met'})."]
+        lib = hsdp.get("library_by_dim", {})
+        if lib:
+            lines.append("matrixfsdp HSDP's own CommCounter (owner ops, counted step, rank 0): "
+                         + "; ".join(f"{dim}: " + ", ".join(
+                             f"{ph} {v['calls']} calls / {fmt_bytes(v['bytes_received'])}"
+                             for ph, v in phases.items() if v["calls"])
+                                     for dim, phases in lib.items()) + ".")
+    return lines
+
+
+def _hsdp_projection_table(projections: dict[str, Any]) -> list[str]:
+    header = ["model", "strategy", "mesh", "plan max/mean (bytes)", "inter-node bytes / GPU",
+              "intra-node bytes / GPU", "fwd+bwd ms (compute / comm)", "opt step ms (comm)",
+              "total ms", "resident / GPU"]
+    rows = []
+    for proj in projections.values():
+        for name, f in proj["strategies"].items():
+            r, sh = f["mesh_shape"]
+            rows.append([proj["model"]["name"], _label(name), f"{r}x{sh}",
+                         f"{f['plan_imbalance_bytes']:.3f}", fmt_bytes(f["inter_node_bytes"]),
+                         fmt_bytes(f["intra_node_bytes"]),
+                         f"{f['fwd_bwd_s'] * 1e3:.0f} ({f['fwd_bwd_compute_s'] * 1e3:.0f} / "
+                         f"{f['fwd_bwd_comm_s'] * 1e3:.0f})",
+                         f"{f['optimizer_s'] * 1e3:.0f} ({f['optimizer_comm_s'] * 1e3:.0f})",
+                         f"{f['total_s'] * 1e3:.0f}", fmt_bytes(sum(f["resident"].values()))])
+    lines = _table(header, rows)
+    lines += ["", "HSDP projection: a shard group is one node (NVLink), a replicate group one GPU "
+              "per node (InfiniBand); inter-node bytes are what the busiest GPU receives per step "
+              "from GPUs on other nodes (direct exchange: all-gather / reduce-scatter (N−G)/N of "
+              "the buffer, all-reduce twice that, broadcast the buffer from a remote root, reduce "
+              "one buffer per remote peer at the root, all-to-all the remote rows); a phase's "
+              "communication is the busiest GPU's sum over the collectives it takes part in. The "
+              "owner all-to-all Muon baseline sends direction and update rows in the gather dtype "
+              "(bf16, as torchtitan's) and pipelines them with Newton–Schulz over one wave per "
+              "block: max(compute, comm) + min(compute, comm) / waves. Under HSDP every replica "
+              "repeats its shard group's optimizer step (one GPU steps 1/8 of the matrices, not "
+              "1/64). Resident = parameters + gradients + optimizer state (fp32), activations "
+              "excluded.", ""]
+    for proj in projections.values():
+        st = proj["strategies"]
+        if "matrixfsdp_hsdp" in st and "fsdp2_recon_hsdp" in st:
+            a, b = st["matrixfsdp_hsdp"]["inter_node_bytes"], st["fsdp2_recon_hsdp"]["inter_node_bytes"]
+            lines.append(f"{proj['model']['name']}: owner-HSDP inter-node bytes ÷ FSDP2-HSDP's = "
+                         f"{a / b:.9f} ({a - b:+d} B: the presence flags, 4 B per owned matrix, "
+                         "all-reduced with the gradients).")
+    return lines
+
+
 def _assumption_lines(proj: dict[str, Any]) -> list[str]:
     hw, m = proj["hardware"], proj["model"]
     d = m["dtypes"]
@@ -158,8 +261,9 @@ def _assumption_lines(proj: dict[str, Any]) -> list[str]:
         f"TFLOP/s (dense bf16; forward+backward, Newton–Schulz and CANS alike); NVLink "
         f"{hw['nvlink_gbps']:.0f} GB/s and α {hw['alpha_nvlink_s'] * 1e6:.0f} µs, InfiniBand "
         f"{hw['ib_gbps']:.0f} GB/s per GPU and α {hw['alpha_ib_s'] * 1e6:.0f} µs; HBM "
-        f"{hw['hbm_gbps']:.0f} GB/s for element-wise AdamW. Model: Llama-2-7B shapes "
-        f"({m['layers']} layers, d={m['dim']}, ffn={m['ffn']}, vocab={m['vocab']}, untied head), "
+        f"{hw['hbm_gbps']:.0f} GB/s for element-wise AdamW. Model: {m['name']} shapes "
+        f"({m['layers']} layers, d={m['dim']}, ffn={m['ffn']}, vocab={m['vocab']}, "
+        f"{m['heads']} heads / {m['kv_heads']} KV heads, untied head), "
         f"{m['tokens_per_gpu']} tokens per GPU per step (seq {m['seq_len']}); gathers in "
         f"{d['gather']} B/elt, gradients {d['grad']} B, master weights {d['param']} B, state "
         f"{d['state']} B. Collectives: ring all-gather / reduce-scatter / all-reduce, pipelined "
@@ -181,9 +285,13 @@ def _definition_lines() -> list[str]:
         "gloo runs FSDP2's reduce-scatter as an all-reduce). Resident bytes are counted from "
         "tensors after the optimizer step (parameters incl. matrixfsdp's unsharded leaves, "
         "gradients, optimizer state; DTensors count their local shard; aliases once), busiest "
-        "rank. Peak RSS is the VmHWM of a fresh process per strategy over its first two steps, "
-        "with glibc told to mmap allocations >= 64 KiB and return freed memory at once (so RSS "
-        "follows live memory; Δ: above the RSS before the model was built), busiest rank. The "
+        "rank. Peak memory is measured in a fresh process per strategy, after the warm-up steps "
+        "(optimizer state exists), during each phase of one step: RSS high-water mark (VmHWM "
+        "reset before each phase, glibc told to mmap allocations >= 64 KiB and return freed "
+        "memory at once, so RSS follows live memory; Δ: above the RSS before the model was "
+        "built) and live tensor bytes (matrixfsdp.memory.LiveBytesTracker over a further step: "
+        "every tensor allocated and freed, parameters, gradients and optimizer state included), "
+        "busiest rank. The "
         "ideal optimizer step is the single-process, single-thread step (matrices + tail AdamW, measured by rank 0 alone "
         "between rounds) divided by N.",
     ]
@@ -211,9 +319,14 @@ def render_markdown(results: dict[str, Any]) -> str:
         lines += [f"## {opt}", "", f"Optimizer settings: {run['optim']}.", ""]
         for world, wr in run["worlds"].items():
             ref = wr["reference"]
+            memory = (["Peak memory per rank during the step (forward, backward, optimizer):",
+                       "", *memory_table(wr["memory"]), ""] if wr.get("memory") else [])
             lines += [f"### {opt}, world size {world}", "", *_strategy_table(wr), "",
-                      *_ratio_table(wr), "", *_check_lines(wr), "",
-                      f"Single-process references (rank 0 alone, interleaved with the rounds): "
+                      *_ratio_table(wr), "", *memory, *_check_lines(wr), ""]
+            if "matrixfsdp_hsdp" in wr["strategies"]:
+                lines += [f"HSDP ({wr.get('hsdp_shape', '?')} mesh) against flat, same run:", "",
+                          *_hsdp_table(wr), ""]
+            lines += [f"Single-process references (rank 0 alone, interleaved with the rounds): "
                       f"matrix step {_ms(ref['matrix_step'])} ms, tail AdamW "
                       f"{_ms(ref['tail_adamw'])} ms, forward+backward at the local batch "
                       f"{_ms(ref['fwd_bwd'])} ms; ideal optimizer step (÷ {world}) "
@@ -227,6 +340,11 @@ def render_markdown(results: dict[str, Any]) -> str:
             lines += [f"### {opt}, projected: Llama-2-7B shapes on 8 x 8 GPUs", "",
                       *_projection_table(run["projection"]), "",
                       *_assumption_lines(run["projection"]), ""]
+        if "hsdp_projection" in run:
+            first = next(iter(run["hsdp_projection"].values()))
+            lines += [f"### {opt}, projected: flat (1x64) against HSDP (8x8) on 8 x 8 GPUs", "",
+                      *_hsdp_projection_table(run["hsdp_projection"]), "",
+                      *_assumption_lines(first), ""]
     lines += ["## Notes", "", *_definition_lines(), ""]
     return "\n".join(lines)
 
@@ -260,3 +378,19 @@ def write_png(results: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m benchmarks.report RESULTS.json``: render the markdown of saved results again
+    (next to the JSON), e.g. after a change of wording; the figures are the saved ones."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m benchmarks.report")
+    p.add_argument("results", type=Path)
+    args = p.parse_args(argv)
+    results = json.loads(args.results.read_text())
+    args.results.with_suffix(".md").write_text(render_markdown(results))
+
+
+if __name__ == "__main__":
+    main()

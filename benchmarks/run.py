@@ -23,12 +23,12 @@ from typing import Any
 import torch
 
 from .analysis import aggregate_world
-from .config import STRATEGIES, BenchConfig, ModelConfig, OptimConfig
-from .costmodel import project
+from .config import MEMORY_BASELINES, STRATEGIES, BenchConfig, ModelConfig, OptimConfig
+from .costmodel import HSDP_MODELS, PROJECTED, project, project_hsdp
 from .launch import run_world
 from .model import GPT
 from .report import render_markdown, write_json, write_png
-from .strategies import owner_plan
+from .strategies import owner_plan, strategies_for
 from .worker import memory_worker, timing_worker
 
 __all__ = ["main", "parse_args", "run"]
@@ -50,9 +50,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ns-dtype", default="float32", choices=["float32", "bfloat16"],
                    help="Muon's Newton–Schulz dtype (fp32 makes trajectories comparable)")
     p.add_argument("--tiny", action="store_true", help="a seconds-long smoke run (for tests)")
-    p.add_argument("--no-memory", action="store_true", help="skip the per-strategy RSS worlds")
+    p.add_argument("--no-memory", action="store_true",
+                   help="skip the per-strategy worlds measuring peak memory during the step")
     p.add_argument("--no-projection", action="store_true")
     p.add_argument("--comm-repeats", type=int, default=5)
+    p.add_argument("--hsdp-replicate", type=int, default=2,
+                   help="replicas of the HSDP strategies' (replicate, shard) mesh")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/latest.md"))
     return p.parse_args(argv)
 
@@ -61,7 +64,8 @@ def _configs(args: argparse.Namespace) -> tuple[ModelConfig, dict[str, Any]]:
     fields = {k: getattr(args, k) for k in dataclasses.asdict(ModelConfig())}
     common: dict[str, Any] = {"global_batch": args.global_batch, "warmup": args.warmup,
                               "steps": args.steps, "strategies": tuple(args.strategies),
-                              "comm_repeats": args.comm_repeats}
+                              "comm_repeats": args.comm_repeats,
+                              "hsdp_replicate": args.hsdp_replicate}
     if args.tiny:
         fields.update(TINY)
         common.update(comm_sizes=(1 << 10, 1 << 14, 1 << 16), comm_repeats=2)
@@ -101,7 +105,8 @@ def run_optimizer(opt: str, args: argparse.Namespace, model_cfg: ModelConfig,
                   common: dict[str, Any]) -> dict[str, Any]:
     """Every world size (then the projection) for one matrix optimizer."""
     optim = OptimConfig.for_name(opt, args.ns_dtype)
-    base = BenchConfig(model=model_cfg, optim=optim, world_size=1, **common)
+    common = {**common, "strategies": strategies_for(opt, common["strategies"])}
+    base = BenchConfig(model=model_cfg, optim=optim, world_size=args.worlds[0], **common)
     out: dict[str, Any] = {"optim": dataclasses.asdict(optim), "worlds": {}}
     for world in args.worlds:
         cfg = base.replace(world_size=world)
@@ -110,12 +115,16 @@ def run_optimizer(opt: str, args: argparse.Namespace, model_cfg: ModelConfig,
         memory = None
         if not args.no_memory:
             memory = {}
-            for name in cfg.strategies:
-                _log(f"{opt}: world {world}: peak RSS of {name}")
+            for name in (*cfg.strategies, *MEMORY_BASELINES):
+                _log(f"{opt}: world {world}: peak memory during the step of {name}")
                 memory[name] = run_world(world, memory_worker, cfg, name)
         out["worlds"][world] = aggregate_world(cfg, timing, memory)
     if not args.no_projection:
-        out["projection"] = project(opt, args.strategies)
+        flat = [n for n in strategies_for(opt, tuple(args.strategies)) if n in PROJECTED]
+        out["projection"] = project(opt, flat)
+        if opt == "muon":
+            out["hsdp_projection"] = {name: project_hsdp(opt, shape)
+                                      for name, shape in HSDP_MODELS.items()}
     return out
 
 

@@ -3,6 +3,13 @@
 The same functions describe the measured small runs (checked against the profiler's counts) and
 the projected 7B-class run (fed to the α–β model in ``costmodel``). Per-rank byte conventions are
 those of :mod:`benchmarks.measure` ([Note: what a collective "costs" in the tables]).
+
+HSDP strategies (names ending ``_hsdp``) run on a ``(replicate, shard)`` mesh: their ``Setup``
+holds the plan over the shard size and ``replicate``; global rank ``g`` sits at replica
+``g // shard``, shard coordinate ``g % shard`` (``init_device_mesh``'s row-major order). Each op
+names the group it runs on: ``"world"`` (all ranks; a flat strategy's one group), ``"shard"``
+(every shard group at once, the same op in each) or ``"replicate"`` (the replicate group of
+shard coordinate ``member`` only, or of every coordinate when ``member`` is None).
 """
 
 from __future__ import annotations
@@ -16,7 +23,18 @@ import torch
 from matrixfsdp.optim import get_matrix_optimizer
 from matrixfsdp.planner import ParamPlacement, Plan
 
-__all__ = ["Dtypes", "Op", "Setup", "owners_all", "per_rank_recv", "resident_model", "schedule"]
+__all__ = [
+    "Dtypes",
+    "Op",
+    "Setup",
+    "inter_node_recv",
+    "is_hsdp",
+    "owners_all",
+    "per_rank_calls",
+    "per_rank_recv",
+    "resident_model",
+    "schedule",
+]
 
 
 @dataclass(frozen=True)
@@ -37,10 +55,19 @@ class Setup:
     optimizer: str
     dtypes: Dtypes = field(default_factory=Dtypes)
     gloo: bool = True  # gloo runs FSDP2's reduce-scatter as an all-reduce of the whole buffer
+    replicate: int = 1  # HSDP replicas; the plan is over the shard size
+
+    @property
+    def shard(self) -> int:
+        return self.plan.world_size
 
     @property
     def world(self) -> int:
-        return self.plan.world_size
+        return self.plan.world_size * self.replicate
+
+    @property
+    def mesh_shape(self) -> tuple[int, int]:
+        return (self.replicate, self.shard)
 
     def units(self) -> list[str]:
         """FSDP2 units in forward order: blocks (groups other than the root), then the root."""
@@ -70,8 +97,10 @@ class Op:
     phase: str
     kind: str
     size: int
-    root: int | None = None
+    root: int | None = None  # index in the op's group
     traffic: tuple[tuple[int, ...], ...] | None = None
+    group: str = "world"  # "world", "shard" or "replicate" (see the module docstring)
+    member: int | None = None  # "replicate" ops: the shard coordinate whose group issues it
 
 
 def padded(shape: tuple[int, ...], world: int) -> int:
@@ -92,25 +121,30 @@ def numel(shape: tuple[int, ...]) -> int:
 
 # -- building blocks ----------------------------------------------------------------------------
 def _fsdp(setup: Setup, role: str | None, resharded: bool = True) -> list[Op]:
-    """FSDP2 forward gathers, backward re-gathers (blocks) and reduce-scatters, per unit."""
-    n, d = setup.world, setup.dtypes
+    """FSDP2 forward gathers, backward re-gathers (blocks) and reduce-scatters, per unit; under
+    HSDP inside the shard group, then one all-reduce of the reduced shard over the replicas."""
+    n, d = setup.shard, setup.dtypes
+    group = "shard" if setup.replicate > 1 else "world"
     ops: list[Op] = []
     for phase in ("forward", "backward"):
         for unit in setup.units():
             elems = sum(padded(p.shape, n) for p in setup.params_of(unit, role))
             if not elems:
                 continue
-            if phase == "forward" or (unit and resharded):
-                ops.append(Op(phase, "all_gather", elems * d.gather))
+            if n > 1 and (phase == "forward" or (unit and resharded)):  # FSDP2 skips 1 rank
+                ops.append(Op(phase, "all_gather", elems * d.gather, group=group))
     for unit in setup.units():
         elems = sum(padded(p.shape, n) for p in setup.params_of(unit, role))
-        if elems:
+        if elems and n > 1:
             ops.append(Op("backward", "all_reduce" if setup.gloo else "reduce_scatter",
-                          elems * d.grad))
+                          elems * d.grad, group=group))
+        if elems and setup.replicate > 1:
+            ops.append(Op("backward", "all_reduce", elems // n * d.grad, group="replicate"))
     return ops
 
 
-def _a2a(phase: str, world: int, pairs: dict[tuple[int, int], int], self_copy: bool = False) -> Op:
+def _a2a(phase: str, world: int, pairs: dict[tuple[int, int], int], self_copy: bool = False,
+         group: str = "world") -> Op:
     """An all-to-all; ``self_copy``: each rank's segment to itself is in the buffers (a local
     copy that the profiler's output size includes), as in matrixfsdp's gradient reduction."""
     grid = [[0] * world for _ in range(world)]
@@ -118,7 +152,7 @@ def _a2a(phase: str, world: int, pairs: dict[tuple[int, int], int], self_copy: b
         if src != dst or self_copy:
             grid[src][dst] += nbytes
     size = max(max(sum(row) for row in grid), max(sum(col) for col in zip(*grid, strict=True)))
-    return Op(phase, "all_to_all", size, traffic=tuple(tuple(r) for r in grid))
+    return Op(phase, "all_to_all", size, traffic=tuple(tuple(r) for r in grid), group=group)
 
 
 def _owner_segments(setup: Setup, unit: str) -> dict[int, tuple[int, int]]:
@@ -132,8 +166,11 @@ def _owner_segments(setup: Setup, unit: str) -> dict[int, tuple[int, int]]:
 
 def _matrixfsdp(setup: Setup, impl: str) -> list[Op]:
     """``impl``: "alltoall", "p2p", or "auto" (the library default: per group, one all-to-all
-    while the group's owners number at least (N − 1) / 2, else broadcast / reduce)."""
-    n, d = setup.world, setup.dtypes
+    while the group's owners number at least (N − 1) / 2, else broadcast / reduce). Under HSDP
+    inside the shard group, and each owner's summed segment is then all-reduced over its
+    replicate group (one call per group and owner, values and presence flags)."""
+    n, d = setup.shard, setup.dtypes
+    g = "shard" if setup.replicate > 1 else "world"
     ops = _fsdp(setup, "tail")
     for phase, kinds in (("forward", ("gather",)), ("backward", ("gather", "reduce"))):
         for unit in setup.units():
@@ -144,17 +181,23 @@ def _matrixfsdp(setup: Setup, impl: str) -> list[Op]:
             if impl == "auto":
                 unit_impl = "alltoall" if len(seg) >= (n - 1) / 2 else "p2p"
             for kind in kinds:
+                if n == 1:  # one rank per shard group: nothing moves inside it
+                    continue
                 if kind == "gather" and unit_impl == "alltoall":
                     pairs = {(o, r): e * d.gather for o, (e, _) in seg.items() for r in range(n)}
-                    ops.append(_a2a(phase, n, pairs))
+                    ops.append(_a2a(phase, n, pairs, group=g))
                 elif kind == "gather":
-                    ops += [Op(phase, "broadcast", e * d.gather, root=o) for o, (e, _) in seg.items()]
+                    ops += [Op(phase, "broadcast", e * d.gather, root=o, group=g)
+                            for o, (e, _) in seg.items()]
                 elif unit_impl == "alltoall":
                     pairs = {(r, o): (e + c) * d.grad for o, (e, c) in seg.items() for r in range(n)}
-                    ops.append(_a2a(phase, n, pairs, self_copy=True))
+                    ops.append(_a2a(phase, n, pairs, self_copy=True, group=g))
                 else:
-                    ops += [Op(phase, "reduce", (e + c) * d.grad, root=o)
+                    ops += [Op(phase, "reduce", (e + c) * d.grad, root=o, group=g)
                             for o, (e, c) in seg.items()]
+            if setup.replicate > 1 and phase == "backward":
+                ops += [Op(phase, "all_reduce", (e + c) * d.grad, group="replicate", member=o)
+                        for o, (e, c) in sorted(seg.items())]
     return ops
 
 
@@ -172,10 +215,10 @@ def _ddp_buckets(setup: Setup) -> list[Op]:
 
 
 def _tail_owners(setup: Setup) -> dict[str, int]:
-    loads = [0] * setup.world
+    loads = [0] * setup.shard
     owners = {}
     for p in sorted(setup.plan.tail, key=lambda p: (-numel(p.shape), p.fqn)):
-        r = min(range(setup.world), key=lambda r: (loads[r], r))
+        r = min(range(setup.shard), key=lambda r: (loads[r], r))
         owners[p.fqn] = r
         loads[r] += numel(p.shape)
     return owners
@@ -199,11 +242,34 @@ def _zero1(setup: Setup) -> list[Op]:
 
 
 def _recon(setup: Setup) -> list[Op]:
-    n, ops = setup.world, []
+    n, ops = setup.shard, []
+    g = "shard" if setup.replicate > 1 else "world"
     for p in setup.plan.matrices:
-        ops.append(Op("optimizer", "all_gather", padded(p.shape, n) * setup.dtypes.grad))
-        ops += [Op("optimizer", "all_gather", padded(s, n) * setup.dtypes.state)
+        ops.append(Op("optimizer", "all_gather", padded(p.shape, n) * setup.dtypes.grad, group=g))
+        ops += [Op("optimizer", "all_gather", padded(s, n) * setup.dtypes.state, group=g)
                 for s in setup.state_numels(p.shape)]
+    return ops
+
+
+def _distmuon(setup: Setup) -> list[Op]:
+    """Owner all-to-all Muon (benchmarks.strategies.hsdp): per FSDP2 unit, one packed
+    all-to-all of direction rows to the owners and one of update rows back, inside the shard
+    group; rows travel in the gather dtype (torchtitan sends bf16), self rows included."""
+    n, g = setup.shard, ("shard" if setup.replicate > 1 else "world")
+    size = setup.dtypes.gather
+    ops: list[Op] = []
+    for unit in setup.units():
+        mats = setup.params_of(unit, "matrix")
+        if not mats:
+            continue
+        to_owner: dict[tuple[int, int], int] = {}
+        for p in mats:
+            o = int(p.owner_rank)  # type: ignore[arg-type]
+            for r in range(n):
+                to_owner[(r, o)] = to_owner.get((r, o), 0) + rows(p.shape, n, r) * size
+        back = {(o, r): b for (r, o), b in to_owner.items()}
+        ops += [_a2a("optimizer", n, to_owner, self_copy=True, group=g),
+                _a2a("optimizer", n, back, self_copy=True, group=g)]
     return ops
 
 
@@ -219,8 +285,18 @@ def _gather_once(setup: Setup) -> list[Op]:
     return [_a2a("optimizer", n, fwd), _a2a("optimizer", n, back)]
 
 
+def is_hsdp(strategy: str) -> bool:
+    return strategy.endswith("_hsdp")
+
+
 def schedule(setup: Setup, strategy: str) -> list[Op]:
-    """Every collective ``strategy`` issues in one training step."""
+    """Every collective ``strategy`` issues in one training step (an HSDP strategy needs a setup
+    with ``replicate`` > 1, a flat one a setup with ``replicate`` == 1)."""
+    if is_hsdp(strategy) != (setup.replicate > 1):
+        raise ValueError(f"strategy {strategy!r} on a setup with replicate={setup.replicate}")
+    strategy = strategy.removesuffix("_hsdp")
+    if strategy == "distmuon":
+        return _fsdp(setup, None) + _distmuon(setup)
     if strategy == "ddp":
         return _ddp_buckets(setup)
     if strategy == "fsdp2_adamw":
@@ -238,22 +314,85 @@ def schedule(setup: Setup, strategy: str) -> list[Op]:
     raise ValueError(f"no schedule for strategy {strategy!r}")
 
 
-def per_rank_recv(op: Op, world: int) -> list[int]:
-    """Bytes each rank receives from peers in ``op`` (see benchmarks.measure)."""
+def _position(op: Op, rank: int, shape: tuple[int, int]) -> tuple[int, int] | None:
+    """(group size, index in the op's group) of global ``rank``; None if it takes no part."""
+    replicate, shard = shape
+    replica, coord = divmod(rank, shard)
+    if op.group == "shard":
+        return shard, coord
+    if op.group == "replicate":
+        if op.member is not None and coord != op.member:
+            return None
+        return replicate, replica
+    return replicate * shard, rank
+
+
+def _recv_in_group(op: Op, n: int, i: int) -> int:
+    """Bytes member ``i`` of an ``n``-rank group receives from peers in ``op``."""
     if op.kind == "all_to_all":
         assert op.traffic is not None
-        return [sum(col) for col in zip(*op.traffic, strict=True)]
+        return sum(row[i] for row in op.traffic)
     if op.kind == "all_gather":
-        return [op.size * (world - 1) // world] * world
+        return op.size * (n - 1) // n
     if op.kind == "all_reduce":
-        return [2 * (world - 1) * op.size // world] * world
+        return 2 * (n - 1) * op.size // n
     if op.kind == "reduce_scatter":
-        return [(world - 1) * op.size // world] * world
+        return (n - 1) * op.size // n
     if op.kind == "broadcast":
-        return [0 if r == op.root else op.size for r in range(world)]
+        return 0 if i == op.root else op.size
     if op.kind == "reduce":
-        return [(world - 1) * op.size if r == op.root else 0 for r in range(world)]
+        return (n - 1) * op.size if i == op.root else 0
     raise ValueError(f"unknown collective kind {op.kind!r}")
+
+
+def per_rank_recv(op: Op, world: int, shape: tuple[int, int] | None = None) -> list[int]:
+    """Bytes each of the ``world`` ranks receives from peers in ``op`` (see benchmarks.measure);
+    ``shape``: the (replicate, shard) mesh of an HSDP setup."""
+    shape = shape or (1, world)
+    out = []
+    for rank in range(world):
+        pos = _position(op, rank, shape)
+        out.append(0 if pos is None else _recv_in_group(op, *pos))
+    return out
+
+
+def per_rank_calls(ops: list[Op], world: int, shape: tuple[int, int] | None = None) -> list[int]:
+    """How many of ``ops`` each rank takes part in."""
+    shape = shape or (1, world)
+    return [sum(_position(op, r, shape) is not None for op in ops) for r in range(world)]
+
+
+def inter_node_recv(op: Op, world: int, shape: tuple[int, int], gpus_per_node: int) -> list[int]:
+    """Bytes each rank receives from ranks on *other nodes* in ``op`` (direct exchange; nodes
+    hold consecutive global ranks; a shard group of at most a node's GPUs stays inside it)."""
+    shard = shape[1]
+    node = [r // gpus_per_node for r in range(world)]
+    out = []
+    for rank in range(world):
+        pos = _position(op, rank, shape)
+        if pos is None:
+            out.append(0)
+            continue
+        n, i = pos
+        if op.group == "shard":
+            members = [rank - i + j for j in range(n)]
+        elif op.group == "replicate":
+            members = [j * shard + rank % shard for j in range(n)]
+        else:
+            members = list(range(n))
+        remote = [j for j, m in enumerate(members) if node[m] != node[rank]]
+        if op.kind == "all_to_all":
+            assert op.traffic is not None
+            out.append(sum(op.traffic[j][i] for j in remote))
+        elif op.kind in ("all_gather", "reduce_scatter"):
+            out.append(op.size * len(remote) // n)
+        elif op.kind == "all_reduce":
+            out.append(2 * op.size * len(remote) // n)
+        elif op.kind == "broadcast":
+            out.append(op.size if op.root in remote else 0)
+        else:  # reduce: the root receives one buffer from each peer
+            out.append(op.size * len(remote) if i == op.root else 0)
+    return out
 
 
 def resident_model(setup: Setup, strategy: str) -> list[dict[str, int]]:
@@ -262,8 +401,9 @@ def resident_model(setup: Setup, strategy: str) -> list[dict[str, int]]:
     Modeled like the strategies hold them: FSDP2 shards padded to equal chunks, AdamW two moments,
     the matrix optimizer's own state shapes; scalar step counters are ignored.
     """
-    n, d = setup.world, setup.dtypes
+    n, d = setup.shard, setup.dtypes  # every replica holds the same (HSDP)
     owners = owners_all(setup)
+    strategy = strategy.removesuffix("_hsdp")
     out = []
     for r in range(n):
         params = grads = state = 0

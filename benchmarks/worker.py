@@ -3,6 +3,7 @@ contention probe, collective microbenchmark) and the per-strategy memory worlds.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 from typing import Any
@@ -12,9 +13,11 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import matrixfsdp as mf
+from matrixfsdp.memory import LiveBytesTracker
 
 from .config import BenchConfig
 from .measure import (
+    count_by_dim,
     count_collectives,
     peak_rss_bytes,
     reset_peak_rss,
@@ -33,7 +36,8 @@ def _context(rank: int, world: int, cfg: BenchConfig) -> tuple[torch.nn.Module, 
     torch.manual_seed(cfg.seed)
     base = GPT(cfg.model)
     mesh = init_device_mesh("cpu", (world,))
-    return base, StrategyContext(cfg.optim, rank, world, mesh, owner_plan(base, world, cfg.optim.name))
+    return base, StrategyContext(cfg.optim, rank, world, mesh, owner_plan(base, world, cfg.optim.name),
+                                 hsdp_replicate=cfg.hsdp_replicate)
 
 
 def _tokens(cfg: BenchConfig, step: int, rank: int, world: int) -> torch.Tensor:
@@ -58,15 +62,34 @@ def timed_step(s: Strategy, tokens: torch.Tensor) -> dict[str, float]:
 
 
 def counted_step(s: Strategy, tokens: torch.Tensor, world: int) -> dict[str, Any]:
-    """One step under the profiler, phase by phase; resident bytes after the optimizer step."""
+    """One step under the profiler, phase by phase; resident bytes after the optimizer step;
+    every ``torch.distributed`` call with its mesh dim (``by_dim``: calls and bytes received per
+    phase and dim). A strategy with groups smaller than the world (HSDP) is counted from those
+    calls, which know their group sizes; the rest from the profiler's backend events."""
     dist.barrier()
-    loss, fwd = count_collectives("forward", lambda: s.forward(tokens), world)
-    _, bwd = count_collectives("backward", lambda: s.backward(loss), world)
-    _, opt = count_collectives("optimizer", s.step, world)
+    dims = s.mesh_dims()
+    calls: list[tuple[str, Any]] = []
+    with count_by_dim(dims, "forward") as tally:
+        loss, fwd = count_collectives("forward", lambda: s.forward(tokens), world)
+    calls += tally
+    with count_by_dim(dims, "backward") as tally:
+        _, bwd = count_collectives("backward", lambda: s.backward(loss), world)
+    calls += tally
+    with count_by_dim(dims, "optimizer") as tally:
+        _, opt = count_collectives("optimizer", s.step, world)
+    calls += tally
     resident = s.resident_bytes()
     s.zero_grad()
-    return {"collectives": [c.as_dict() for c in fwd + bwd + opt], "resident": resident,
-            "loss": loss.item()}
+    by_dim: dict[str, dict[str, dict[str, int]]] = {}
+    for dim, c in calls:
+        slot = by_dim.setdefault(c.phase, {}).setdefault(dim, {"calls": 0, "recv": 0})
+        slot["calls"] += 1
+        slot["recv"] += c.recv
+    counted = fwd + bwd + opt
+    if len(set(dims.values())) > 1:
+        counted = [c for _, c in calls]
+    return {"collectives": [c.as_dict() for c in counted], "resident": resident,
+            "loss": loss.item(), "by_dim": by_dim}
 
 
 def timing_worker(rank: int, world: int, cfg: BenchConfig) -> dict[str, Any]:
@@ -91,29 +114,69 @@ def timing_worker(rank: int, world: int, cfg: BenchConfig) -> dict[str, Any]:
     tokens = _tokens(cfg, cfg.warmup + cfg.steps, rank, world)
     counted = {}
     for name, s in strategies.items():
-        runtime = mf.get_state(s.model) if name == "matrixfsdp" else None
+        runtime = mf.get_state(s.model) if mf.is_matrix_wrapped(s.model) else None
         if runtime is not None:
             runtime.comm.counter.reset()
         counted[name] = counted_step(s, tokens, world)
         if runtime is not None:
-            counted[name]["library_counter"] = runtime.comm.counter.snapshot()
+            counter = runtime.comm.counter
+            counted[name]["library_counter"] = counter.snapshot()
+            counted[name]["library_by_dim"] = {d: counter.snapshot(d) for d in counter.by_dim}
     owned = [p.fqn for p in ctx.plan.owned_by(rank)]
+    shard = world // cfg.hsdp_replicate if world % cfg.hsdp_replicate == 0 else world
+    hsdp_plan = owner_plan(GPT(cfg.model), shard, cfg.optim.name)  # shapes only
     return {"rank": rank, "records": records, "counted": counted, "owned": owned,
+            "owned_hsdp": [p.fqn for p in hsdp_plan.owned_by(rank % shard)],
+            "hsdp_replicate": world // shard,
             "references": references,
             "comm_samples": time_collectives(cfg.comm_sizes, cfg.comm_repeats)}
 
 
 def memory_worker(rank: int, world: int, cfg: BenchConfig, name: str) -> dict[str, Any]:
-    """One strategy alone in a fresh process: RSS high-water mark over its first two steps."""
+    """One strategy alone in a fresh process: peak memory *during* each phase of a step.
+
+    After the warm-up steps (so optimizer state exists), one step phase by phase with the
+    kernel's RSS high-water mark reset before each phase (glibc told to unmap freed memory at once,
+    so RSS follows live memory), then one step under a ``LiveBytesTracker`` that follows every
+    tensor (live tensor bytes; parameters, gradients and optimizer state included).
+    """
     live = track_live_memory()
     before = rss_bytes()
     reset_ok = reset_peak_rss()
     base, ctx = _context(rank, world, cfg)
     s = build_strategy(name, base, ctx)
-    for step in range(2):
+    del base
+    step = 0
+    for step in range(max(cfg.warmup, 1)):
         timed_step(s, _tokens(cfg, step, rank, world))
-    return {"rank": rank, "rss_before": before, "peak_rss": peak_rss_bytes(),
+    rss = _phase_peaks(s, _tokens(cfg, step + 1, rank, world))
+    tracked = s.resident_tensors()
+    tracker = LiveBytesTracker().track(*tracked.values())
+    start = tracker.current
+    with tracker:
+        _phase_peaks(s, _tokens(cfg, step + 2, rank, world), tracker)
+    return {"rank": rank, "rss_before": before, "peak_rss": max(rss.values()),
+            "rss_by_phase": rss, "live_start": start,
+            "live_by_phase": {ph: p.peak for ph, p in tracker.phases.items()},
             "hwm_reset": reset_ok, "live_tracking": live}
+
+
+def _phase_peaks(s: Strategy, tokens: torch.Tensor,
+                 tracker: LiveBytesTracker | None = None) -> dict[str, int]:
+    """One step; the RSS high-water mark of each phase (and the tracker's phases if given)."""
+    peaks: dict[str, int] = {}
+    state: dict[str, Any] = {}
+    phases = {"forward": lambda: state.update(loss=s.forward(tokens)),
+              "backward": lambda: s.backward(state["loss"]), "optimizer": s.step}
+    for phase, fn in phases.items():
+        dist.barrier()
+        reset_peak_rss()
+        with tracker.phase(phase) if tracker is not None else contextlib.nullcontext():
+            fn()
+        peaks[phase] = peak_rss_bytes()
+    del state["loss"]
+    s.zero_grad()
+    return peaks
 
 
 class Reference:

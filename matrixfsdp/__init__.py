@@ -19,14 +19,19 @@ _EXPORTS = {
     "fully_shard_matrix": "matrixfsdp.api",
     "get_plan": "matrixfsdp.api",
     "get_state": "matrixfsdp.api",
+    "init_hsdp_mesh": "matrixfsdp.api",
     "is_matrix_wrapped": "matrixfsdp.api",
+    "quiesce": "matrixfsdp.api",
+    "set_requires_all_reduce": "matrixfsdp.api",
     "set_requires_gradient_sync": "matrixfsdp.api",
     "MatrixOptimizer": "matrixfsdp.optim",
     "register_matrix_optimizer": "matrixfsdp.optim",
     "LPTPlanner": "matrixfsdp.planner",
     "Plan": "matrixfsdp.planner",
 }
-_SUBMODULES = {"api", "checkpoint", "collectives", "optim", "planner", "runtime", "launch"}
+_SUBMODULES = {
+    "api", "checkpoint", "collectives", "memory", "optim", "planner", "runtime", "launch",
+}
 
 __all__ = [
     "LPTPlanner",
@@ -38,20 +43,27 @@ __all__ = [
     "fully_shard_matrix",
     "get_plan",
     "get_state",
+    "init_hsdp_mesh",
     "is_matrix_wrapped",
+    "memory",
     "planner",
+    "quiesce",
     "register_matrix_optimizer",
+    "set_requires_all_reduce",
     "set_requires_gradient_sync",
 ]
 
 if TYPE_CHECKING:
-    from . import checkpoint, planner
+    from . import checkpoint, memory, planner
     from .api import (
         clip_grad_norm_,
         fully_shard_matrix,
         get_plan,
         get_state,
+        init_hsdp_mesh,
         is_matrix_wrapped,
+        quiesce,
+        set_requires_all_reduce,
         set_requires_gradient_sync,
     )
     from .optim import MatrixOptimizer, register_matrix_optimizer

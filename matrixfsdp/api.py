@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Literal
 
 import torch
@@ -14,9 +15,17 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from .collectives import OwnerComm, Phase, TorchOwnerComm, comm_phase
+from .collectives import (
+    OwnerComm,
+    Phase,
+    ReplicateComm,
+    TorchOwnerComm,
+    TorchReplicateComm,
+    comm_phase,
+)
 from .planner import Plan, make_plan
-from .runtime import MatrixFSDPState, MatrixGroup, MatrixParam
+from .runtime import MatrixFSDPState, MatrixGroup, MatrixParam, in_backward
+from .runtime.mesh import DataParallelMesh, backend_device_type, init_hsdp_mesh, resolve_mesh
 from .runtime.selection import (
     MatrixFilter,
     ParamSite,
@@ -31,7 +40,10 @@ __all__ = [
     "fully_shard_matrix",
     "get_plan",
     "get_state",
+    "init_hsdp_mesh",
     "is_matrix_wrapped",
+    "quiesce",
+    "set_requires_all_reduce",
     "set_requires_gradient_sync",
 ]
 
@@ -54,9 +66,19 @@ def fully_shard_matrix(
     """Shard ``model`` owner-style: each selected matrix whole on one rank, the tail in FSDP2.
 
     Args:
-        model: the plain (unwrapped) model, already on the mesh's device type.
-        mesh: a 1-D ``DeviceMesh``; ``None`` builds one over the default process group on the
-            device type of the model's parameters (CPU parameters mean a gloo CPU mesh).
+        model: the plain (unwrapped) model, on the mesh's device type or wholly on ``meta``
+            (then call ``model.to_empty(device=...)`` and initialize after wrapping: each rank
+            allocates only its owned matrices and tail shards).
+        mesh: a 1-D ``DeviceMesh`` (flat owner sharding over all its ranks) or a 2-D one for
+            HSDP, as FSDP2 takes it: dim 0 replicates, dim 1 shards (build it with
+            ``init_device_mesh(device, (replicas, ranks_per_replica), mesh_dim_names=
+            ("replicate", "shard"))`` or ``init_hsdp_mesh``). Matrices are then owner-sharded
+            inside each shard group with the same plan in every replica, their gradients
+            averaged over the replicas by one all-reduce per group, and the tail is FSDP2 HSDP
+            (see [Note: HSDP mesh]). ``None`` builds a 1-D mesh over the default process group
+            on the device type of the model's parameters (CPU parameters mean a gloo CPU mesh),
+            or, for a model on ``meta``, on the default process group's device type (nccl:
+            cuda, gloo: cpu).
         groups: communication units (one gather and one reduction each); ``None`` means every
             child of each outermost ``nn.ModuleList`` (the blocks), then the root.
         matrix_filter: ``(fqn, param) -> bool`` choosing the matrices; ``None`` applies the
@@ -81,40 +103,44 @@ def fully_shard_matrix(
     Returns the same module, changed in place.
     """
     _check_not_wrapped(model)
-    mesh = _resolve_mesh(model, mesh)
-    group_modules = _resolve_groups(model, groups)
-    sites = select_params(model, group_modules, matrix_filter, mesh.device_type)
-    selection_notes = report_selection(sites, filtered=matrix_filter is not None)
-    plan = make_plan(param_specs(sites), mesh.size(), planner)
-    for fqn, note in plan.notes.items():
-        logger.warning("matrixfsdp: %s: %s", fqn, note)
-    if selection_notes:
-        plan = plan.model_copy(update={"notes": {**selection_notes, **plan.notes}})
     if collectives not in ("auto", "alltoall", "p2p", "nvshmem"):
         raise ValueError(
             f"collectives must be 'auto', 'alltoall', 'p2p' or 'nvshmem', got {collectives!r}"
         )
+    dp = resolve_mesh(_default_mesh(model) if mesh is None else mesh)
+    group_modules = _resolve_groups(model, groups)
+    device_type = "meta" if _all_meta(model) else dp.mesh.device_type
+    sites = select_params(model, group_modules, matrix_filter, device_type)
+    selection_notes = report_selection(sites, filtered=matrix_filter is not None)
+    plan = make_plan(param_specs(sites), dp.shard_size, planner).with_mesh_shape(*dp.shape)
+    for fqn, note in plan.notes.items():
+        logger.warning("matrixfsdp: %s: %s", fqn, note)
+    if selection_notes:
+        plan = plan.model_copy(update={"notes": {**selection_notes, **plan.notes}})
     torch_impl = "auto" if collectives == "nvshmem" else collectives
     comm: OwnerComm = TorchOwnerComm(
-        mesh.get_group(),
+        dp.shard_group,
         gather_impl="broadcast" if torch_impl == "p2p" else torch_impl,
         reduce_impl="reduce" if torch_impl == "p2p" else torch_impl,
     )
-    _check_plan_agrees(plan, comm.group)
-    matrix_groups = _build_groups(model, group_modules, sites, plan, comm, mp_policy)
+    replicate = (TorchReplicateComm(dp.replicate_group, counter=comm.counter)
+                 if dp.replicate_group is not None and dp.replicate_size > 1 else None)
+    _check_plan_agrees(plan, dp)
+    matrix_groups = _build_groups(model, group_modules, sites, plan, comm, replicate, mp_policy)
     if collectives == "nvshmem":
-        comm = _nvshmem_comm(comm, matrix_groups, mesh)
+        comm = _nvshmem_comm(comm, matrix_groups, dp.mesh)
     ignored = {t for g in matrix_groups for p in g.params for t in (p.sharded, p.unsharded)}
-    _apply_fully_shard(model, group_modules, ignored, mesh, reshard_after_forward, mp_policy)
+    _apply_fully_shard(model, group_modules, ignored, dp.mesh, reshard_after_forward, mp_policy)
     state = MatrixFSDPState(
         root=model,
         plan=plan,
         groups=matrix_groups,
         comm=comm,
-        mesh=mesh,
+        mesh=dp,
         reshard_after_forward=reshard_after_forward,
     )
     state.register_hooks()
+    _register_refresh_hooks(model, state)
     model.__dict__[_STATE_ATTR] = state
     _log_summary(plan, len(matrix_groups))
     return model
@@ -125,10 +151,11 @@ def _log_summary(plan: Plan, num_groups: int) -> None:
     selection = plan.selection()
     logger.info(
         "matrixfsdp: %d matrices and %d expert stacks (%d as expert slices) go to owners, "
-        "%d tensors stay in the tail; %d groups over %d ranks (plan %s, max/mean bytes %.3f)",
+        "%d tensors stay in the tail; %d groups over %d ranks x %d replicas (plan %s, max/mean "
+        "bytes %.3f)",
         len(selection.matrices), len(selection.stacks), len(plan.sharded_stacks),
-        len(selection.tail), num_groups, plan.world_size, plan.plan_hash()[:12],
-        plan.imbalance("bytes"),
+        len(selection.tail), num_groups, plan.world_size, plan.replicate_size,
+        plan.plan_hash()[:12], plan.imbalance("bytes"),
     )
 
 
@@ -149,21 +176,51 @@ def is_matrix_wrapped(model: nn.Module) -> bool:
 def get_plan(model: nn.Module) -> Plan:
     """The owner plan the model was wrapped with (a pydantic ``Plan``).
 
+    Its ``world_size`` is the shard size and ``mesh_shape`` the mesh's ``(replicate, shard)``.
     ``get_plan(model).selection()`` lists the FQNs of the owner matrices, the 3-D expert stacks
     and the tail; ``.notes`` says why a parameter's role differs from the default rule.
     """
     return get_state(model).plan
 
 
+def quiesce(model: nn.Module) -> None:
+    """Complete or discard every collective the runtime has in flight (local, no collective).
+
+    Call it before changing parameters by hand (``with torch.no_grad(): p.mul_(...)``) after a
+    forward that may have stopped early. ``MatrixOptimizer.step``, ``model.load_state_dict`` and
+    the ``matrixfsdp.checkpoint`` load paths call it themselves. See ``MatrixFSDPState.quiesce``.
+    """
+    get_state(model).quiesce()
+
+
 def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -> None:
     """Turn gradient reduction off for accumulation micro-batches (like FSDP2's method).
 
-    With sync off, every rank keeps its local full-size matrix gradients between backwards;
-    the next backward with sync on reduces the accumulated sum to the owners.
+    With sync off, every rank keeps its local full-size matrix gradients between backwards and
+    nothing is communicated (under HSDP neither the reductions nor the all-reduce over the
+    replicas); the next backward with sync on reduces the accumulated sum to the owners and
+    all-reduces it. The tail follows FSDP2's own flags (reduce-scatter and HSDP all-reduce).
     """
-    get_state(model).requires_grad_sync = bool(requires_gradient_sync)
+    flag = bool(requires_gradient_sync)
+    state = get_state(model)
+    state.requires_grad_sync = flag
+    state.requires_all_reduce = flag
     if isinstance(model, FSDPModule):
-        model.set_requires_gradient_sync(bool(requires_gradient_sync), recurse=True)
+        model.set_requires_gradient_sync(flag, recurse=True)
+        model.set_requires_all_reduce(flag, recurse=True)  # FSDP2 < 2.6 left it to the caller
+
+
+def set_requires_all_reduce(model: nn.Module, requires_all_reduce: bool) -> None:
+    """HSDP accumulation with reductions but no all-reduce over the replicas (FSDP2's method).
+
+    With it off, each backward still reduces gradients to their owners inside the shard group;
+    owners keep the sums and the next backward with it on adds them in before its all-reduce.
+    The tail follows FSDP2's ``set_requires_all_reduce``. A no-op on a flat mesh.
+    """
+    flag = bool(requires_all_reduce)
+    get_state(model).requires_all_reduce = flag
+    if isinstance(model, FSDPModule):
+        model.set_requires_all_reduce(flag, recurse=True)
 
 
 @torch.no_grad()
@@ -175,8 +232,10 @@ def clip_grad_norm_(
 ) -> torch.Tensor:
     """Clip the global gradient norm over owned matrices and tail shards; return the norm.
 
-    Each element of the model's gradient lives on exactly one rank (matrices on their owner, the
-    tail in FSDP2 shards), so the global norm costs one scalar all-reduce.
+    Each element of the model's gradient lives on exactly one rank of a shard group (matrices on
+    their owner, the tail in FSDP2 shards), so the global norm costs one scalar all-reduce over
+    the shard group. Under HSDP every replica holds the same averaged gradients: the norm is one
+    replica's, reduced inside the shard group only, and identical on every rank.
     """
     if max_norm < 0:
         raise ValueError(f"max_norm must be non-negative, got {max_norm}")
@@ -226,15 +285,8 @@ def _check_not_wrapped(model: nn.Module) -> None:
             )
 
 
-def _resolve_mesh(model: nn.Module, mesh: DeviceMesh | None) -> DeviceMesh:
-    if mesh is not None:
-        if not isinstance(mesh, DeviceMesh) or mesh.ndim != 1:
-            shape = getattr(mesh, "shape", None)
-            raise ValueError(
-                f"mesh must be a 1-D DeviceMesh, got {type(mesh).__name__} with shape {shape}; "
-                "pass mesh['dp'] (the data-parallel dimension) or None for all ranks"
-            )
-        return mesh
+def _default_mesh(model: nn.Module) -> DeviceMesh:
+    """A 1-D mesh over the default process group, on the parameters' device type."""
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError(
             "fully_shard_matrix needs torch.distributed: launch with torchrun and call "
@@ -243,11 +295,57 @@ def _resolve_mesh(model: nn.Module, mesh: DeviceMesh | None) -> DeviceMesh:
     param = next(model.parameters(), None)
     device_type = param.device.type if param is not None else "cpu"
     if device_type == "meta":
-        raise ValueError(
-            "the model's parameters are on 'meta'; materialize them (to_empty + init) before "
-            "fully_shard_matrix"
-        )
+        device_type = backend_device_type()
     return init_device_mesh(device_type, (dist.get_world_size(),))
+
+
+def _all_meta(model: nn.Module) -> bool:
+    params = list(model.parameters())
+    return bool(params) and all(p.is_meta for p in params)
+
+
+def _register_refresh_hooks(model: nn.Module, state: MatrixFSDPState) -> None:
+    """Keep the runtime valid across ``to_empty``/``_apply`` and ``load_state_dict``.
+
+    As FSDP2 does, the runtime refreshes what it caches right after ``nn.Module._apply`` (which
+    may replace a module's parameter objects, e.g. ``to_empty`` from ``meta``) and after
+    ``load_state_dict`` (``assign=True`` replaces them); both first retire pending collectives.
+    """
+    by_module: dict[int, tuple[nn.Module, list[MatrixParam]]] = {}
+    for mp in state.params.values():
+        by_module.setdefault(id(mp.module), (mp.module, []))[1].append(mp)
+    for module, params in by_module.values():
+        original = module._apply
+        module._apply = functools.partial(_apply_and_refresh, state, original, params)
+        module.register_load_state_dict_post_hook(
+            functools.partial(_refresh_after_load, params)
+        )
+    # As FSDP2 reshards before state_dict()/load_state_dict(): whoever gets the parameters to
+    # read or fill (checkpoint save/load, load_full_state_dict, ...) finds nothing in flight.
+    model.register_state_dict_pre_hook(lambda *args, **kwargs: _quiesce_outside_backward(state))
+    model._register_load_state_dict_pre_hook(
+        lambda *args, **kwargs: _quiesce_outside_backward(state)
+    )
+
+
+def _quiesce_outside_backward(state: MatrixFSDPState) -> None:
+    if not in_backward():
+        state.quiesce()
+
+
+def _apply_and_refresh(state: MatrixFSDPState, original: Callable[..., nn.Module],
+                       params: Sequence[MatrixParam], fn: Callable, *args: object,
+                       **kwargs: object) -> nn.Module:
+    state.retire_pending()  # FSDP2's own _apply reshards the tail
+    out = original(fn, *args, **kwargs)
+    for mp in params:
+        mp.refresh()
+    return out
+
+
+def _refresh_after_load(params: Sequence[MatrixParam], module: nn.Module, incompatible: object) -> None:
+    for mp in params:
+        mp.refresh()
 
 
 def _resolve_groups(model: nn.Module, groups: Sequence[nn.Module] | None) -> list[nn.Module]:
@@ -260,8 +358,15 @@ def _resolve_groups(model: nn.Module, groups: Sequence[nn.Module] | None) -> lis
     return [m for m in modules if m is not model] + [model]
 
 
-def _check_plan_agrees(plan: Plan, group: dist.ProcessGroup | None) -> None:
-    """Every rank must compute the same plan; compare SHA-256 digests across ranks."""
+def _check_plan_agrees(plan: Plan, dp: DataParallelMesh) -> None:
+    """Every rank must compute the same plan: compare SHA-256 digests over the shard group,
+    then over the replicate group (together they connect every rank of the mesh)."""
+    _check_digests(plan, dp.shard_group)
+    if dp.replicate_group is not None:
+        _check_digests(plan, dp.replicate_group)
+
+
+def _check_digests(plan: Plan, group: dist.ProcessGroup | None) -> None:
     world = dist.get_world_size(group)
     if world == 1:
         return
@@ -292,6 +397,7 @@ def _build_groups(
     sites: Sequence[ParamSite],
     plan: Plan,
     comm: TorchOwnerComm,
+    replicate: ReplicateComm | None,
     mp_policy: MixedPrecisionPolicy | None,
 ) -> list[MatrixGroup]:
     module_of_group = {_fqn_of(model, m): m for m in group_modules}
@@ -317,7 +423,8 @@ def _build_groups(
                 f"group {name or '<root>'!r} mixes matrix dtypes {sorted(map(str, dtypes))} "
                 f"({[p.fqn for p in params]}); cast the model to one dtype before wrapping"
             )
-        groups.append(MatrixGroup(name, module_of_group[name], params, comm, reduce_dtype=reduce_dtype))
+        groups.append(MatrixGroup(name, module_of_group[name], params, comm,
+                                  reduce_dtype=reduce_dtype, replicate=replicate))
     return groups
 
 

@@ -23,22 +23,25 @@ FREE_RUNNING_KWARGS: dict[str, dict] = {
 def full_values(model: nn.Module, attr: str = "data") -> dict[str, torch.Tensor | None]:
     """Every parameter (``attr="data"``) or gradient (``"grad"``) of a wrapped model, whole.
 
-    Collective: all ranks must call it. Matrices are broadcast from their owner; a matrix whose
-    owner has no gradient maps to None.
+    Collective: all ranks must call it. Matrices are broadcast from their owner inside the shard
+    group (under HSDP: this rank's replica's values); a matrix whose owner has no gradient maps
+    to None.
     """
     state = mf.get_state(model)
+    group = state.comm.group
     out: dict[str, torch.Tensor | None] = {}
     for fqn, p in model.named_parameters():
         value = p.grad if attr == "grad" else p.detach()
         if fqn in state.params:
             mp = state.params[fqn]
+            src = dist.get_global_rank(group, mp.owner_rank)
             present = torch.tensor([0 if value is None else 1])
-            dist.broadcast(present, src=mp.owner_rank)
+            dist.broadcast(present, src=src, group=group)
             if not present.item():
                 out[fqn] = None
                 continue
             buf = value.detach().clone() if mp.is_owner else torch.empty(mp.shape, dtype=mp.dtype)
-            dist.broadcast(buf, src=mp.owner_rank)
+            dist.broadcast(buf, src=src, group=group)
             out[fqn] = buf
         elif isinstance(value, DTensor):
             out[fqn] = value.full_tensor().clone()  # a 1-rank full_tensor() aliases the shard
@@ -75,13 +78,15 @@ def assert_close_dicts(
 def full_optimizer_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, dict]:
     """Every parameter's optimizer state, whole, keyed by FQN (collective; test-only pickling)."""
     state = mf.get_state(model)
+    group = state.comm.group
     out: dict[str, dict] = {}
     for fqn, p in model.named_parameters():
         entry = opt.state.get(p, {})
         if fqn in state.params:
             mp = state.params[fqn]
             box = [{k: v.detach().clone() for k, v in entry.items()} if mp.is_owner else None]
-            dist.broadcast_object_list(box, src=mp.owner_rank)
+            dist.broadcast_object_list(box, src=dist.get_global_rank(group, mp.owner_rank),
+                                       group=group)
             out[fqn] = box[0]
         else:
             out[fqn] = {

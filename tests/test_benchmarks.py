@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.config import STRATEGIES, STRATEGY_LABELS, BenchConfig
-from benchmarks.costmodel import fit_alpha_beta, project
+from benchmarks.analysis import PHASES
+from benchmarks.config import MEMORY_BASELINES, STRATEGIES, STRATEGY_LABELS, BenchConfig
+from benchmarks.costmodel import HSDP_MODELS, fit_alpha_beta, project, project_hsdp
 from benchmarks.run import run
 from benchmarks.strategies.base import chunk_sizes, local_rows
 
@@ -29,7 +30,9 @@ def test_report_files_name_every_strategy(tiny: tuple[dict, Path]) -> None:
     for name in STRATEGIES:
         assert STRATEGY_LABELS[name] in text, f"{name} missing from the markdown report"
     for needle in ("Command: `python -m benchmarks.run --tiny", "torch ", "cores", "Targets:",
-                   "projected: Llama-2-7B", "gloo loopback fits"):
+                   "projected: Llama-2-7B", "gloo loopback fits",
+                   "Peak memory per rank during the step", "HSDP (2x1 mesh) against flat",
+                   "flat (1x64) against HSDP (8x8)", "Llama-3-70B"):
         assert needle in text, needle
     data = json.loads(out.with_suffix(".json").read_text())
     assert set(data["runs"]["muon"]["worlds"]["2"]["strategies"]) == set(STRATEGIES)
@@ -57,7 +60,19 @@ def test_figures_are_sane(tiny: tuple[dict, Path]) -> None:
     assert s["fsdp2_recon"]["comm"]["optimizer"]["calls"] == 2 * matrices
     assert s["gather_once"]["comm"]["optimizer"]["calls"] == 2
     assert max(run2["loss_diff_vs_ddp"].values()) < 1e-4
+    memory = run2["memory"]  # peak during each phase, every strategy + the memory baselines
+    assert set(memory) == {*STRATEGIES, *MEMORY_BASELINES}
+    for name, m in memory.items():
+        assert all(m["live"][ph] >= m["live_start"] > 0 and m["rss"][ph] > 0 for ph in PHASES), name
     assert all(c["match"] for c in run2["schedule_check"].values()), run2["schedule_check"]
+    # HSDP at world 2 is 2x1: the owners' all-reduce crosses replicas, nothing moves in a shard
+    # group; the owner all-to-all Muon baselines follow the same losses (checked above).
+    hsdp = s["matrixfsdp_hsdp"]
+    assert hsdp["comm"]["optimizer"]["calls"] == 0
+    assert hsdp["by_dim"]["backward"]["replicate"]["calls"] > 0
+    assert "shard" not in hsdp["by_dim"].get("forward", {})
+    assert hsdp["library_by_dim"]["replicate"]["backward"]["calls"] > 0
+    assert s["distmuon"]["by_dim"]["optimizer"]["shard"]["calls"] == 2 * 2  # 2 blocks, 2 each
     assert run2["contention"] > 0 and run2["ideal_optimizer_s"] > 0
     for name, p in run2["predicted"].items():
         assert p["total"] > 0, name
@@ -69,6 +84,32 @@ def test_projection_shape(tiny: tuple[dict, Path]) -> None:
     assert proj["matrixfsdp"]["recv_bytes"]["optimizer"] == 0
     assert proj["fsdp2_recon"]["optimizer_s"] > 10 * proj["matrixfsdp"]["optimizer_s"]
     assert proj["zero1_owner"]["resident"]["params"] > 30 * proj["matrixfsdp"]["resident"]["params"]
+
+
+def test_hsdp_projection_targets() -> None:
+    """Llama-3-8B on 8x8: shard groups of 8 balance perfectly (flat 64: 1.077); owner-HSDP
+    crosses nodes with FSDP2-HSDP's bytes plus the 4-byte presence flags of its owned matrices."""
+    proj = project_hsdp("muon", HSDP_MODELS["llama3-8b"],
+                        strategies=["matrixfsdp", "matrixfsdp_hsdp", "fsdp2_recon_hsdp"])
+    st = proj["strategies"]
+    assert st["matrixfsdp_hsdp"]["plan_imbalance_bytes"] == pytest.approx(1.0, abs=1e-12)
+    assert st["matrixfsdp"]["plan_imbalance_bytes"] == pytest.approx(1.0769, abs=1e-4)
+    owned = 224 // 8  # 28 matrices per owner, a ring all-reduce over 8 replicas moves 2 * 7/8
+    flags = 2 * 7 * owned * 4 // 8
+    assert st["matrixfsdp_hsdp"]["inter_node_bytes"] - st["fsdp2_recon_hsdp"]["inter_node_bytes"] \
+        == flags
+    assert st["matrixfsdp"]["inter_node_bytes"] > 7 * st["matrixfsdp_hsdp"]["inter_node_bytes"]
+    assert st["matrixfsdp_hsdp"]["calls"]["optimizer"] == 0
+
+
+@pytest.mark.parametrize("preset", ["llama3-8b", "llama3-70b"])
+def test_memory_projection(preset: str) -> None:
+    from benchmarks.memory import project_peak
+
+    for world in (8, 64):
+        p = project_peak(preset, world)
+        assert p["fsdp2_recon"] >= p["fsdp2_sgdm"] > p["model_bytes"] / world
+        assert 0.9 * p["fsdp2_sgdm"] < p["matrixfsdp"] < 1.15 * p["fsdp2_sgdm"], (world, p)
 
 
 def test_alpha_beta_fit_recovers_a_line() -> None:

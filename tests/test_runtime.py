@@ -152,7 +152,8 @@ def _plan_identical(rank: int, world: int) -> None:
     assert len(set(hashes)) == 1, hashes
     # A pure function of the model: recomputing it without any process group gives the same.
     sites = select_params(probe, default_groups(probe), None, "cpu")
-    assert make_plan(param_specs(sites), world).plan_hash() == plan.plan_hash()
+    assert plan.mesh_shape == (1, world)  # a flat mesh: one replica
+    assert make_plan(param_specs(sites), world).with_mesh_shape(1, world).plan_hash() == plan.plan_hash()
     assert mf.Plan.from_json(plan.to_json()) == plan
     roles = {p.fqn: p.role for p in plan.params}
     assert roles["head.weight"] == "tail" and roles["embed.weight"] == "tail"
@@ -230,9 +231,9 @@ def _bad_inputs(rank: int, world: int) -> None:
         mf.fully_shard_matrix(model)
 
     _, model = _pair()
-    mesh2d = init_device_mesh("cpu", (1, world), mesh_dim_names=("a", "b"))
-    with pytest.raises(ValueError, match="1-D DeviceMesh"):
-        mf.fully_shard_matrix(model, mesh2d)
+    mesh3d = init_device_mesh("cpu", (1, 1, world), mesh_dim_names=("a", "b", "c"))
+    with pytest.raises(ValueError, match=r"\(1, 1, \d\) \(3 dims\).*2-D HSDP mesh"):
+        mf.fully_shard_matrix(model, mesh3d)
 
     _, model = _pair()
     with pytest.raises(ValueError, match=r"layers\.0\.norm1\.weight.*\(16,\)"):

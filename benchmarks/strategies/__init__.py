@@ -5,9 +5,11 @@ from __future__ import annotations
 from torch import nn
 
 from .base import Strategy, StrategyContext, owner_plan, planner_for, tensor_bytes
+from .hsdp import DistMuonHSDPStrategy, DistMuonStrategy, MatrixFSDPHSDPStrategy
 from .replicated import DDPStrategy, Zero1OwnerStrategy
 from .sharded import (
     FSDP2AdamWStrategy,
+    FSDP2SGDMomentumStrategy,
     GatherOnceStrategy,
     MatrixFSDPP2PStrategy,
     MatrixFSDPStrategy,
@@ -21,14 +23,24 @@ __all__ = [
     "build_strategy",
     "owner_plan",
     "planner_for",
+    "strategies_for",
     "tensor_bytes",
 ]
 
 STRATEGY_CLASSES: dict[str, type[Strategy]] = {
     cls.name: cls
     for cls in (DDPStrategy, ReconstructionStrategy, GatherOnceStrategy, Zero1OwnerStrategy,
-                MatrixFSDPStrategy, MatrixFSDPP2PStrategy, FSDP2AdamWStrategy)
+                MatrixFSDPStrategy, MatrixFSDPP2PStrategy, FSDP2AdamWStrategy,
+                FSDP2SGDMomentumStrategy, MatrixFSDPHSDPStrategy, DistMuonStrategy,
+                DistMuonHSDPStrategy)
 }
+# Strategies that implement one matrix optimizer only (the others run with every optimizer).
+ONLY_FOR: dict[str, str] = {"distmuon": "muon", "distmuon_hsdp": "muon"}
+
+
+def strategies_for(optimizer: str, names: tuple[str, ...]) -> tuple[str, ...]:
+    """``names`` less the strategies that cannot run ``optimizer``."""
+    return tuple(n for n in names if ONLY_FOR.get(n, optimizer) == optimizer)
 
 
 def build_strategy(name: str, model: nn.Module, ctx: StrategyContext) -> Strategy:

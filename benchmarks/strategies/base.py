@@ -50,6 +50,7 @@ class StrategyContext:
     world: int
     mesh: DeviceMesh
     plan: Plan
+    hsdp_replicate: int = 2  # replicas of the HSDP strategies' (replicate, shard) mesh
 
     @property
     def matrix_fqns(self) -> tuple[str, ...]:
@@ -114,6 +115,11 @@ class Strategy:
 
     def step(self) -> None:
         raise NotImplementedError
+
+    def mesh_dims(self) -> dict[tuple[int, ...], str]:
+        """Global ranks of each process group the strategy uses -> its mesh dim name. A flat
+        strategy's one group is its shard group (a flat mesh is HSDP with one replica)."""
+        return {tuple(range(self.ctx.world)): "shard"}
 
     def zero_grad(self) -> None:
         for p in self.model.parameters():

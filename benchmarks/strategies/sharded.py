@@ -17,6 +17,7 @@ from .replicated import _adamw_state
 
 __all__ = [
     "FSDP2AdamWStrategy",
+    "FSDP2SGDMomentumStrategy",
     "GatherOnceStrategy",
     "MatrixFSDPP2PStrategy",
     "MatrixFSDPStrategy",
@@ -50,6 +51,29 @@ class FSDP2AdamWStrategy(Strategy):
 
     def state_tensors(self) -> list[Any]:
         return _adamw_state(self.opt)
+
+
+class FSDP2SGDMomentumStrategy(FSDP2AdamWStrategy):
+    """Stock FSDP2 with the optimizer-state size of Muon: ``torch.optim.SGD`` with momentum (one
+    buffer per matrix, like Muon's) on the matrices and AdamW on the tail. The memory baseline a
+    matrix optimizer at ZeRO-3 memory should match (its update is not Muon's)."""
+
+    name = "fsdp2_sgdm"
+
+    def __init__(self, model: nn.Module, ctx: StrategyContext) -> None:
+        Strategy.__init__(self, model, ctx)
+        _fully_shard(model, ctx)
+        params = dict(model.named_parameters())
+        matrices = [params[f] for f in ctx.matrix_fqns]
+        self.sgd = torch.optim.SGD(matrices, lr=ctx.optim.matrix_lr, momentum=0.95)
+        self.opt = _tail_adamw([p for f, p in params.items() if f not in ctx.matrix_fqns], ctx)
+
+    def step(self) -> None:
+        self.sgd.step()
+        self.opt.step()
+
+    def state_tensors(self) -> list[Any]:
+        return _adamw_state(self.sgd) + _adamw_state(self.opt)
 
 
 class _ShardedMatrices(Strategy):
@@ -188,11 +212,11 @@ class MatrixFSDPStrategy(Strategy):
 
     name = "matrixfsdp"
 
-    def __init__(self, model: nn.Module, ctx: StrategyContext) -> None:
+    def __init__(self, model: nn.Module, ctx: StrategyContext, *, mesh: Any = None) -> None:
         super().__init__(model, ctx)
-        mf.fully_shard_matrix(model, planner=planner_for(ctx.optim.name))
+        mf.fully_shard_matrix(model, mesh, planner=planner_for(ctx.optim.name))
         self.runtime = mf.get_state(model)
-        if self.runtime.plan.plan_hash() != ctx.plan.plan_hash():
+        if mesh is None and self.runtime.plan.params != ctx.plan.params:
             raise RuntimeError("matrixfsdp's plan differs from the plan the baselines use")
         o = ctx.optim
         self.opt = mf.MatrixOptimizer(

@@ -3,8 +3,9 @@
 ``save``/``load`` are collective and reshard to any world size (each new owner reads whole
 matrices and their optimizer state; DCP reshards the FSDP2 tail). Saves are atomic: a checkpoint
 directory appears only when every rank has finished, so ``latest`` never returns a partial one.
-``export_full`` and ``load_full_state_dict`` move weights to and from plain, unsharded state dicts
-and stock FSDP2 DCP checkpoints.
+``export_full`` and ``load_full_state_dict`` move weights to and from plain, unsharded state dicts,
+Hugging Face model directories (read lazily, each rank reading what it keeps; see
+``sources``) and stock FSDP2 DCP checkpoints.
 
 On disk, ``<path>/`` holds DCP's ``.metadata`` and ``__<rank>_0.distcp`` files, then
 ``matrixfsdp_layout.json`` (see ``CheckpointLayout``) and the ``COMPLETE`` marker.

@@ -2,15 +2,18 @@
 
 [Note: checkpoint keys]
 - ``model.<fqn>``: a tail parameter or buffer as the FSDP2 ``state_dict()`` gives it (DTensor
-  shards), or a matrix, whole, written by its owner alone. Non-owners omit the key: an empty
-  placeholder would break DCP's planning, and a plain tensor under one key with different values
-  on different ranks would be silently deduplicated.
+  shards; under HSDP DCP writes each replicated shard once), or a matrix, whole, written by its
+  owner alone. Non-owners omit the key: an empty placeholder would break DCP's planning, and a
+  plain tensor under one key with different values on different ranks would be silently
+  deduplicated. Under HSDP only replica 0's owners write matrices (the other replicas hold the
+  same values and take part in the collective without matrix keys): written once.
 - ``optim.state.<fqn>.<key>``: optimizer state. A matrix's state is written by its owner (plain
   tensors); the tail's by every rank (DTensor shards plus replicated scalars such as ``step``).
   State keys must not contain ``.`` so ``<fqn>`` and ``<key>`` split unambiguously.
 - ``rng.cpu.<rank>`` / ``rng.cuda.<rank>``: each rank's generator states under its own key.
-On load every rank requests exactly the keys it needs: a new owner asks for whole matrices and
-their state, every rank asks for its tail shards (DCP reshards them), and nothing else.
+On load every rank requests exactly the keys it needs: a new owner (in every replica) asks for
+whole matrices and their state, every rank asks for its tail shards (DCP reshards them, also
+between 1-D and 2-D meshes), and nothing else.
 """
 
 from __future__ import annotations
@@ -49,15 +52,21 @@ __all__ = [
     "rng_state",
     "rng_targets",
     "saved_state_keys",
+    "writes_matrix",
 ]
 
 logger = logging.getLogger(__name__)
 
 
 def mesh_group(runtime: MatrixFSDPState) -> dist.ProcessGroup | None:
-    """The process group of the model's data-parallel mesh (None: the default group)."""
-    get_group = getattr(runtime.mesh, "get_group", None)
-    return get_group() if get_group is not None else None
+    """A process group over every rank of the model's mesh, replicas included (None: default)."""
+    return runtime.dp_mesh.all_ranks_group()
+
+
+def writes_matrix(runtime: MatrixFSDPState, fqn: str) -> bool:
+    """Whether this rank writes matrix ``fqn`` (and its state): its owner, in replica 0."""
+    mp = runtime.params.get(fqn)
+    return mp is not None and mp.is_owner and runtime.replica_rank == 0
 
 
 def param_fqns(model: nn.Module) -> dict[int, str]:
@@ -93,8 +102,8 @@ def model_state(model: nn.Module, runtime: MatrixFSDPState) -> dict[str, torch.T
     out: dict[str, torch.Tensor] = {}
     for key, value in model.state_dict().items():
         mp = runtime.params.get(key)
-        if mp is not None and not mp.is_owner:
-            continue  # the owner writes it
+        if mp is not None and not writes_matrix(runtime, key):
+            continue  # its owner in replica 0 writes it
         if mp is not None and tuple(value.shape) != tuple(mp.shape):
             raise RuntimeError(
                 f"owner of matrix {key!r} holds shape {tuple(value.shape)}, expected "
@@ -137,7 +146,7 @@ def optimizer_state(
             fqns.append(fqn)
             entry = optimizer.state.get(p)
             mp = runtime.params.get(fqn)
-            if not entry or (mp is not None and not mp.is_owner):
+            if not entry or (mp is not None and not writes_matrix(runtime, fqn)):
                 continue
             state[fqn] = {k: _check_state_value(fqn, k, v) for k, v in entry.items()}
         optimizer_name = group.get("optimizer")
@@ -217,8 +226,12 @@ def _state_target(p: torch.Tensor, md: TensorStorageMetadata, on_device_scalars:
 
 
 def _sharded_like_stack(p: torch.Tensor, md: TensorStorageMetadata) -> bool:
-    return (isinstance(p, DTensor) and p.ndim == 3 and len(md.size) >= 1
-            and md.size[0] == p.shape[0] and tuple(p.placements) == (Shard(0),))
+    """A sharded stack: ``Shard(0)`` on the shard dim, replicated on an HSDP replicate dim."""
+    if not (isinstance(p, DTensor) and p.ndim == 3 and len(md.size) >= 1
+            and md.size[0] == p.shape[0]):
+        return False
+    *replicated, last = p.placements
+    return last == Shard(0) and all(pl.is_replicate() for pl in replicated)
 
 
 def optimizer_targets(

@@ -102,7 +102,8 @@ def _build(
     plan = runtime.plan
     layout = CheckpointLayout(
         matrixfsdp_version=__version__, torch_version=torch.__version__, step=step,
-        extra=extra, world_size=plan.world_size, plan=plan, plan_hash=plan.plan_hash(),
+        extra=extra, world_size=plan.world_size, mesh_shape=runtime.mesh_shape, plan=plan,
+        plan_hash=plan.plan_hash(),
         model=tuple(sd.model_entries(model, runtime)), optimizer=optimizer_layout,
     )
     return state, layout
@@ -119,8 +120,8 @@ def save(
 ) -> AsyncSave | None:
     """Save a checkpoint of a wrapped model (and optimizer) to the directory ``path``.
 
-    Collective over the model's mesh. Every matrix is written once, whole, by its owner; the tail
-    as FSDP2 DTensor shards; optimizer state by FQN; per-rank RNG states; ``step`` and the JSON
+    Collective over every rank of the model's mesh. Every matrix is written once, whole, by its
+    owner (under HSDP, its owner in replica 0); the tail as FSDP2 DTensor shards; optimizer state by FQN; per-rank RNG states; ``step`` and the JSON
     ``extra`` go into the layout. The directory appears (atomically renamed from a hidden
     sibling) only after every rank finished; an existing checkpoint at ``path`` is replaced.
 
@@ -234,8 +235,9 @@ def load(
 ) -> dict[str, Any]:
     """Load a checkpoint into a wrapped model (and optimizer), at any world size.
 
-    Collective. Each owner of the current plan reads its matrices (and their optimizer state)
-    whole; the tail is resharded by DCP. Everything is checked before any tensor is written: a
+    Collective. Each owner of the current plan (in every replica under HSDP) reads its matrices
+    (and their optimizer state) whole; the tail is resharded by DCP, so a checkpoint loads at any
+    mesh shape: flat or HSDP, either way. Everything is checked before any tensor is written: a
     different matrix set or optimizer raises ``CheckpointMismatchError`` naming the FQNs, unless
     ``weights_only=True``, which loads model weights alone (no optimizer state, hyperparameters or
     RNG). ``strict=False`` skips entries missing on either side (shape mismatches always raise).
@@ -246,6 +248,7 @@ def load(
     path = Path(path)
     layout, metadata = open_checkpoint(path)
     runtime = get_state(model)
+    runtime.quiesce()  # nothing in flight may read a parameter this load writes
     group = sd.mesh_group(runtime)
     rank = group_rank(group)
     current = sd.model_entries(model, runtime)
@@ -268,6 +271,7 @@ def load(
         sd.restore_hyperparams(optimizer, layout.optimizer)
     if restore_rng and not weights_only:
         sd.restore_rng(rng, rank)
-    logger.info("matrixfsdp.checkpoint: loaded step %d from %s (saved at world size %d, now %d)",
-                layout.step, path, layout.world_size, group_size(group))
+    logger.info("matrixfsdp.checkpoint: loaded step %d from %s (saved on mesh (replicate, "
+                "shard) = %s, now %s over %d ranks)", layout.step, path,
+                layout.saved_mesh_shape, runtime.mesh_shape, group_size(group))
     return {"step": layout.step, "extra": layout.extra}

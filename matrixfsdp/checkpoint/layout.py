@@ -7,6 +7,9 @@
 - ``model`` lists every entry of the saving model's ``state_dict()`` once: FQN, global shape,
   dtype, role (``"matrix"``, ``"tail"`` or ``"buffer"``) and, for matrices, the owner rank that
   wrote it. ``plan`` is the owner plan at save time and ``plan_hash`` its digest.
+- ``world_size`` is the plan's (the shard size: the ranks matrices are owner-sharded over);
+  ``mesh_shape`` is the saving mesh's ``(replicate, shard)`` (``(1, world_size)`` when flat; absent
+  in layouts written before HSDP, read as flat). Under HSDP replica 0 wrote the matrices.
 - ``optimizer`` records each param group's parameter FQNs and its JSON-encodable hyperparameters
   (tuples, non-finite floats and 0-d tensors are tagged so they come back as they were). The
   optimizer's *state tensors* live in the DCP data under ``optim.state.<fqn>.<key>``.
@@ -98,6 +101,7 @@ class CheckpointLayout(BaseModel):
     step: int = Field(ge=0)
     extra: JsonValue = None
     world_size: int = Field(ge=1)
+    mesh_shape: tuple[int, int] | None = None  # (replicate, shard); None: older, flat
     plan: Plan
     plan_hash: str
     model: tuple[TensorEntry, ...]
@@ -108,6 +112,14 @@ class CheckpointLayout(BaseModel):
         if self.plan.world_size != self.world_size:
             raise ValueError(
                 f"plan.world_size={self.plan.world_size} differs from world_size={self.world_size}"
+            )
+        if self.mesh_shape is not None and (
+            self.mesh_shape[0] < 1 or self.mesh_shape[1] != self.world_size
+            or self.plan.mesh_shape not in (None, self.mesh_shape)
+        ):
+            raise ValueError(
+                f"mesh_shape={self.mesh_shape} must be (replicate >= 1, world_size="
+                f"{self.world_size}) and agree with the plan's {self.plan.mesh_shape}"
             )
         if self.plan.plan_hash() != self.plan_hash:
             raise ValueError("plan_hash does not match the plan (the layout was edited)")
@@ -122,6 +134,11 @@ class CheckpointLayout(BaseModel):
 
     def entries(self) -> dict[str, TensorEntry]:
         return {e.fqn: e for e in self.model}
+
+    @property
+    def saved_mesh_shape(self) -> tuple[int, int]:
+        """``(replicate, shard)`` of the saving mesh (flat for layouts written before HSDP)."""
+        return self.mesh_shape if self.mesh_shape is not None else (1, self.world_size)
 
 
 class CompleteMarker(BaseModel):

@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
-from .base import CommCounter, CommStats, OwnerComm, Pending, Phase, comm_phase, current_phase
+from .base import (
+    CommCounter,
+    CommStats,
+    OwnerComm,
+    Pending,
+    Phase,
+    ReplicateComm,
+    comm_phase,
+    current_phase,
+)
 from .nvshmem_backend import NvshmemOwnerComm
-from .torch_backend import TorchOwnerComm
+from .torch_backend import TorchOwnerComm, TorchReplicateComm
 
 __all__ = [
     "CommCounter",
@@ -13,7 +22,9 @@ __all__ = [
     "OwnerComm",
     "Pending",
     "Phase",
+    "ReplicateComm",
     "TorchOwnerComm",
+    "TorchReplicateComm",
     "comm_phase",
     "current_phase",
 ]

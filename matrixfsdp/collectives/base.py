@@ -8,7 +8,9 @@ Within one group, the matrices owned by rank ``r`` packed back to back (in plan 
 - *reduce-to-owners*: every rank holds a full-length gradient buffer laid out segment by segment;
   rank ``r`` ends up with the sum over ranks of segment ``r`` only. No other rank keeps a copy.
 Both are issued in the same order on every rank (the runtime guarantees it), may be async, and
-are counted by phase so tests and benchmarks can assert exact call and byte totals.
+are counted by phase and mesh dim so tests and benchmarks can assert exact call and byte totals.
+Under HSDP they run inside one shard group; the owners' all-reduce over the replicate group is a
+``ReplicateComm`` (see [Note: HSDP mesh]).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ __all__ = [
     "OwnerComm",
     "Pending",
     "Phase",
+    "ReplicateComm",
     "comm_phase",
     "current_phase",
 ]
@@ -74,27 +77,41 @@ class CommStats:
         }
 
 
+def _phases() -> dict[Phase, CommStats]:
+    return {phase: CommStats() for phase in Phase}
+
+
 @dataclass
 class CommCounter:
-    """Counts collective calls and payload bytes per phase and per operation name."""
+    """Counts collective calls and payload bytes per phase, per operation and per mesh dim.
 
-    by_phase: dict[Phase, CommStats] = field(
-        default_factory=lambda: {phase: CommStats() for phase in Phase}
-    )
+    ``dim`` names the mesh dim whose process group carried the collective (see [Note: HSDP
+    mesh]): ``"shard"`` for owner gathers, reductions and scalar all-reduces (on a flat mesh
+    too), ``"replicate"`` for the HSDP all-reduce of owned gradients. An all-reduce records its
+    buffer's bytes as sent and received (the payload; a ring moves 2(R-1)/R of it each way).
+    """
+
+    by_phase: dict[Phase, CommStats] = field(default_factory=_phases)
     by_op: dict[str, CommStats] = field(default_factory=dict)
+    by_dim: dict[str, dict[Phase, CommStats]] = field(default_factory=dict)
 
-    def record(self, op: str, bytes_sent: int, bytes_received: int) -> None:
-        for stats in (self.by_phase[current_phase()], self.by_op.setdefault(op, CommStats())):
+    def record(self, op: str, bytes_sent: int, bytes_received: int, *, dim: str = "shard") -> None:
+        phase = current_phase()
+        per_dim = self.by_dim.setdefault(dim, _phases())[phase]
+        for stats in (self.by_phase[phase], self.by_op.setdefault(op, CommStats()), per_dim):
             stats.calls += 1
             stats.bytes_sent += bytes_sent
             stats.bytes_received += bytes_received
 
     def reset(self) -> None:
-        self.by_phase = {phase: CommStats() for phase in Phase}
+        self.by_phase = _phases()
         self.by_op = {}
+        self.by_dim = {}
 
-    def snapshot(self) -> dict[str, dict[str, int]]:
-        return {phase.value: stats.as_dict() for phase, stats in self.by_phase.items()}
+    def snapshot(self, dim: str | None = None) -> dict[str, dict[str, int]]:
+        """Per phase: calls and bytes, over every mesh dim or over ``dim`` only."""
+        phases = self.by_phase if dim is None else self.by_dim.get(dim, _phases())
+        return {phase.value: stats.as_dict() for phase, stats in phases.items()}
 
 
 class Pending:
@@ -139,3 +156,15 @@ class OwnerComm(ABC):
     @abstractmethod
     def all_reduce_scalar(self, value: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """All-reduce a 0-d/1-element tensor in place (``op`` is ``"sum"`` or ``"max"``)."""
+
+
+class ReplicateComm(ABC):
+    """The all-reduce of owned gradients over one HSDP replicate group (see [Note: HSDP mesh])."""
+
+    rank: int
+    world_size: int
+    counter: CommCounter
+
+    @abstractmethod
+    def all_reduce(self, tensor: torch.Tensor, *, async_op: bool = False) -> Pending:
+        """Sum ``tensor`` in place over the replicate group (valid after ``Pending.wait()``)."""

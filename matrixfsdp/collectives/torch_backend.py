@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from .base import CommCounter, OwnerComm, Pending
+from .base import CommCounter, OwnerComm, Pending, ReplicateComm
 
-__all__ = ["TorchOwnerComm"]
+__all__ = ["TorchOwnerComm", "TorchReplicateComm", "uses_p2p"]
 
 GatherImpl = Literal["auto", "alltoall", "broadcast"]
 ReduceImpl = Literal["auto", "alltoall", "reduce"]
@@ -41,6 +41,7 @@ class TorchOwnerComm(OwnerComm):
         gather_impl: GatherImpl = "auto",
         reduce_impl: ReduceImpl = "auto",
         counter: CommCounter | None = None,
+        dim: str = "shard",
     ) -> None:
         if gather_impl not in ("auto", "alltoall", "broadcast"):
             raise ValueError(
@@ -56,17 +57,14 @@ class TorchOwnerComm(OwnerComm):
         self.gather_impl = gather_impl
         self.reduce_impl = reduce_impl
         self.counter = counter if counter is not None else CommCounter()
+        self.dim = dim  # the mesh dim this group spans, for the counter
         self._global_ranks = [
             dist.get_global_rank(group, r) if group is not None else r
             for r in range(self.world_size)
         ]
 
     def _use_p2p(self, impl: str, numels: Sequence[int]) -> bool:
-        """Whether to use one broadcast/reduce per segment instead of one all-to-all."""
-        if impl != "auto":
-            return impl in ("broadcast", "reduce")
-        owners = sum(1 for n in numels if n)
-        return owners < (self.world_size - 1) / 2
+        return uses_p2p(impl, numels, self.world_size)
 
     # -- all-gather-v -----------------------------------------------------------------------------
     def all_gather_v(
@@ -92,7 +90,7 @@ class TorchOwnerComm(OwnerComm):
             work = dist.all_to_all_single(
                 recv, send, out_splits, in_splits, group=self.group, async_op=async_op
             )
-        self.counter.record("all_gather_v", _nbytes(send), _nbytes(recv))
+        self.counter.record("all_gather_v", _nbytes(send), _nbytes(recv), dim=self.dim)
         segments = list(torch.split(recv, out_splits))
         segments[me] = own
         return segments, Pending([work] if async_op else [], keepalive=(send, recv))
@@ -112,7 +110,8 @@ class TorchOwnerComm(OwnerComm):
                 )
                 works.append(work)
                 sent = _nbytes(buf) * (self.world_size - 1) if r == self.rank else 0
-                self.counter.record("all_gather_v", sent, 0 if r == self.rank else _nbytes(buf))
+                self.counter.record("all_gather_v", sent, 0 if r == self.rank else _nbytes(buf),
+                                    dim=self.dim)
         return segments, Pending(works if async_op else [], keepalive=segments)
 
     # -- reduce-to-owners -------------------------------------------------------------------------
@@ -143,7 +142,7 @@ class TorchOwnerComm(OwnerComm):
                 recv, flat, out_splits, list(numels), group=self.group, async_op=async_op
             )
         sent = _nbytes(flat) - _nbytes(own)
-        self.counter.record("reduce_to_owners", sent, _nbytes(recv) - _nbytes(own))
+        self.counter.record("reduce_to_owners", sent, _nbytes(recv) - _nbytes(own), dim=self.dim)
         return _SumOnWait.result(own, recv, n, work if async_op else None, flat)
 
     def _reduce_p2p(
@@ -163,7 +162,7 @@ class TorchOwnerComm(OwnerComm):
                 )
                 works.append(work)
                 received = _nbytes(segment) * (self.world_size - 1) if r == self.rank else 0
-                self.counter.record("reduce_to_owners", _nbytes(segment), received)
+                self.counter.record("reduce_to_owners", _nbytes(segment), received, dim=self.dim)
         return own, Pending(works if async_op else [], keepalive=(flat,))
 
     # -- scalars ----------------------------------------------------------------------------------
@@ -174,8 +173,35 @@ class TorchOwnerComm(OwnerComm):
         if self.world_size > 1:
             with record_function("matrixfsdp::all_reduce_scalar"):
                 dist.all_reduce(value, op=ops[op], group=self.group)
-            self.counter.record("all_reduce_scalar", _nbytes(value), _nbytes(value))
+            self.counter.record("all_reduce_scalar", _nbytes(value), _nbytes(value), dim=self.dim)
         return value
+
+
+class TorchReplicateComm(ReplicateComm):
+    """All-reduce (sum) over an HSDP replicate group, counted under mesh dim ``"replicate"``."""
+
+    def __init__(self, group: dist.ProcessGroup, *, counter: CommCounter | None = None) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.counter = counter if counter is not None else CommCounter()
+
+    def all_reduce(self, tensor: torch.Tensor, *, async_op: bool = False) -> Pending:
+        if self.world_size == 1 or tensor.numel() == 0:
+            return Pending()
+        with record_function("matrixfsdp::all_reduce_replicas"):
+            work = dist.all_reduce(tensor, group=self.group, async_op=async_op)
+        self.counter.record("all_reduce_replicas", _nbytes(tensor), _nbytes(tensor),
+                            dim="replicate")
+        return Pending([work] if async_op else [], keepalive=(tensor,))
+
+
+def uses_p2p(impl: str, numels: Sequence[int], world_size: int) -> bool:
+    """Whether a group moves by one broadcast/reduce per segment instead of one all-to-all."""
+    if impl != "auto":
+        return impl in ("broadcast", "reduce", "p2p")
+    owners = sum(1 for n in numels if n)
+    return owners < (world_size - 1) / 2
 
 
 class _SumOnWait(Pending):

@@ -23,6 +23,8 @@ def _override_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int)
     p.add_argument("--nproc", type=int, help="ranks on this node (default: 2)")
     p.add_argument("--out", help="output directory (default: runs/default)")
+    p.add_argument("--replicate", type=int, help="HSDP: replicas (e.g. nodes); ranks = "
+                   "replicate x shard size; default 1 = flat owner sharding over all ranks")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any config field, e.g. --set lr=0.01 --set model.dim=256")
     return p
@@ -36,7 +38,8 @@ def config_overrides(argv: list[str], prog: str = "matrixfsdp train") -> dict[st
     if unknown:
         raise SystemExit(f"{prog}: unrecognized arguments: {' '.join(unknown)}")
     overrides: dict[str, Any] = {"optimizer": args.optimizer, "steps": args.steps,
-                                 "nproc": args.nproc, "out": args.out}
+                                 "nproc": args.nproc, "out": args.out,
+                                 "replicate": args.replicate}
     for item in args.set:
         key, sep, value = item.partition("=")
         if not sep or not key:
@@ -52,6 +55,11 @@ def _cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
         cfg = load_config(args.config, **config_overrides(rest))  # fails before any process
     except ConfigError as exc:
         print(f"matrixfsdp train: {exc}", file=sys.stderr)
+        return 2
+    if args.tr_nnodes is None and cfg.nproc % cfg.replicate:  # one node: the world is known
+        print(f"matrixfsdp train: --replicate {cfg.replicate} does not divide the {cfg.nproc} "
+              f"ranks (ranks = replicate x shard size); choose a divisor of {cfg.nproc}",
+              file=sys.stderr)
         return 2
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -82,15 +90,18 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
     cap = int(args.memory_cap_gib * 1024**3) if args.memory_cap_gib else None
     try:
-        plan = plan_for_model(args.model, args.world_size, args.optimizer, cap)
+        plan = plan_for_model(args.model, args.world_size, args.optimizer, cap,
+                              replicate=args.replicate)
     except ValueError as exc:
         print(f"matrixfsdp plan: {exc}", file=sys.stderr)
         return 2
     if args.json:
         print(plan.to_json(indent=2))
     else:
-        print(format_plan(plan, title=f"owner plan for {args.model} on {args.world_size} ranks "
-                                      f"(cost: {args.optimizer})"))
+        mesh = "" if args.replicate == 1 else (
+            f" = {args.replicate} replicas x {plan.world_size} (HSDP; ranks below: one replica)")
+        print(format_plan(plan, title=f"owner plan for {args.model} on {args.world_size} ranks"
+                                      f"{mesh} (cost: {args.optimizer})"))
     return 0
 
 
@@ -133,6 +144,8 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--world-size", type=int, required=True)
     plan.add_argument("--optimizer", default="muon",
                       choices=["muon", "shampoo", "soap", "okls", "emagram", "adamw"])
+    plan.add_argument("--replicate", type=int, default=1,
+                      help="HSDP replicas: plan over world-size / replicate ranks per replica")
     plan.add_argument("--memory-cap-gib", type=float, help="max matrix GiB per rank")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     inspect = sub.add_parser("inspect", help="print a checkpoint's layout, step and sizes")

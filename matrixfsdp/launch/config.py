@@ -75,6 +75,7 @@ class TrainConfig(BaseModel):
     reshard_after_forward: bool = True
     out: str = "runs/default"
     nproc: int = Field(2, ge=1)
+    replicate: int = Field(1, ge=1)  # HSDP replicas: ranks = replicate x shard size (1 = flat)
 
     @model_validator(mode="before")
     @classmethod

@@ -25,7 +25,8 @@ def inspect_checkpoint(path: str | Path) -> str:
     files = [f for f in path.iterdir() if f.is_file()]
     lines = [
         f"checkpoint {path}",
-        f"  step {layout.step}   saved at world size {layout.world_size}   format v"
+        f"  step {layout.step}   saved at world size {layout.world_size}   mesh (replicate, "
+        f"shard) {layout.saved_mesh_shape}   format v"
         f"{layout.format_version}   matrixfsdp {layout.matrixfsdp_version}   torch "
         f"{layout.torch_version}",
         f"  plan {layout.plan_hash[:16]} ({plan.planner}): {len(plan.matrices)} matrices, "

@@ -13,14 +13,25 @@ _COST_OF_OPTIMIZER = {
 
 
 def plan_for_model(model: str, world_size: int, optimizer: str = "muon",
-                   memory_cap_bytes: int | None = None) -> Plan:
+                   memory_cap_bytes: int | None = None, *, replicate: int = 1) -> Plan:
+    """The plan of ``model`` on ``world_size`` ranks; with ``replicate`` > 1 (HSDP) the plan of
+    one replica's shard group of ``world_size / replicate`` ranks (see [Note: HSDP mesh])."""
     from .presets import PRESETS, preset_specs, specs_from_factory
 
+    if world_size < 1:
+        raise ValueError(f"--world-size must be >= 1, got {world_size}")
+    if replicate < 1 or world_size % replicate:
+        raise ValueError(
+            f"--replicate {replicate} must be a positive divisor of --world-size {world_size} "
+            f"(ranks = replicate x shard size); divisors: "
+            f"{[d for d in range(1, world_size + 1) if world_size % d == 0]}"
+        )
     specs = preset_specs(model) if model in PRESETS else specs_from_factory(model)
     if optimizer not in _COST_OF_OPTIMIZER:
         raise ValueError(f"--optimizer must be one of {sorted(_COST_OF_OPTIMIZER)}, got {optimizer!r}")
     planner = LPTPlanner(cost=_COST_OF_OPTIMIZER[optimizer], memory_cap_bytes=memory_cap_bytes)
-    return planner(specs, world_size)
+    shard = world_size // replicate
+    return planner(specs, shard).with_mesh_shape(replicate, shard)
 
 
 def format_plan(plan: Plan, *, title: str = "") -> str:
@@ -36,7 +47,8 @@ def format_plan(plan: Plan, *, title: str = "") -> str:
     lines += [
         "",
         f"matrices: {len(plan.matrices)}  tail tensors: {len(plan.tail)}  "
-        f"model: {total_bytes / gib:.2f} GiB  world size: {plan.world_size}  planner: {plan.planner}",
+        f"model: {total_bytes / gib:.2f} GiB  world size: {plan.world_size}  planner: {plan.planner}"
+        + (f"  mesh (replicate, shard): {tuple(plan.mesh_shape)}" if plan.mesh_shape else ""),
         f"imbalance max/mean by cost:  {plan.imbalance('cost'):.4f}  "
         f"(lower bound {plan.imbalance_bound('cost'):.4f})",
         f"imbalance max/mean by bytes: {plan.imbalance('bytes'):.4f}  "

@@ -86,7 +86,10 @@ def _build(cfg: TrainConfig) -> RunContext:
     corpus = ByteCorpus(cfg.corpus_bytes, cfg.val_fraction)
     model = GPT(cfg.model).to(device)
     cost = "bytes" if cfg.optimizer == "adamw" else cfg.optimizer
-    mf.fully_shard_matrix(model, reshard_after_forward=cfg.reshard_after_forward, planner=cost)
+    mesh = (mf.init_hsdp_mesh(replicate=cfg.replicate, device_type=device.type)
+            if cfg.replicate > 1 else None)  # HSDP: (replicate, shard); None: flat
+    mf.fully_shard_matrix(model, mesh, reshard_after_forward=cfg.reshard_after_forward,
+                          planner=cost)
     kwargs = dict(cfg.optimizer_kwargs)
     if cfg.optimizer == "muon" and device.type == "cpu":
         kwargs.setdefault("ns_dtype", "float32")  # bf16 GEMMs are slow on CPUs

@@ -4,8 +4,9 @@ Param group 0 (``kind="matrix"``) holds every matrix's sharded parameter in plan
 matrix on its owner, an empty tensor elsewhere. Empty ones are skipped and never get state, so the
 step of each matrix runs on its owner alone and issues no collective. Param group 1
 (``kind="tail"``) holds the FSDP2 DTensors and is stepped by a stock ``torch.optim.AdamW`` that
-shares this optimizer's ``state`` and group dict, so ``state_dict()``, LR schedulers and DCP see
-one ordinary optimizer.
+shares this optimizer's ``state`` and group dicts, so ``state_dict()``, LR schedulers and DCP see
+one ordinary optimizer. ``add_param_group`` adds a group of either kind, routed by whether the
+runtime manages its parameters as matrices.
 """
 
 from __future__ import annotations
@@ -103,6 +104,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise ValueError(f"MatrixOptimizer.{field} must be a finite number >= 0, got {value!r}")
         runtime = get_state(model)
+        self._runtime = runtime
         named = dict(model.named_parameters())
         matrices = [mp.sharded for mp in runtime.params.values()]
         matrices += [named[p.fqn] for p in runtime.plan.sharded_stacks]
@@ -117,6 +119,8 @@ class MatrixOptimizer(torch.optim.Optimizer):
                 "(get_plan(model).selection() lists the tail)", optimizer,
             )
         matrix_ids = {id(p) for p in matrices}
+        self._matrix_ids = frozenset(matrix_ids)
+        self._tail_args = (tail_optimizer, tail_lr, tail_weight_decay, dict(tail_optimizer_kwargs or {}))
         tail = [p for p in model.parameters() if id(p) not in matrix_ids]
         self._spec, self._matrix_cls, matrix_group = _matrix_group(
             optimizer, matrices, lr, weight_decay, optimizer_kwargs
@@ -138,8 +142,8 @@ class MatrixOptimizer(torch.optim.Optimizer):
             tail_group = self._tail_inner.param_groups[0]
             tail_group["kind"] = "tail"
             groups.append(tail_group)
+        self._matrix_inners: dict[int, torch.optim.Optimizer] = {}  # torch class, per group
         super().__init__(groups, {})
-        self._matrix_inner: torch.optim.Optimizer | None = None
         self._config_cache: tuple[tuple, Any] | None = None
         self._layout_cache: tuple[tuple, dict[int, MatrixLayout]] | None = None
         self._placement = _placement(offload_state, matrices, runtime.plan.sharded_stacks,
@@ -154,8 +158,58 @@ class MatrixOptimizer(torch.optim.Optimizer):
         if self._tail_inner is not None:
             self._tail_inner.state = self.state
             self._tail_inner.param_groups = [g for g in self.param_groups if g["kind"] == "tail"]
-        if self._matrix_inner is not None:
-            self._matrix_inner.state = self.state
+        for inner in self._matrix_inners.values():
+            inner.state = self.state
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group; matrices step with the matrix optimizer, anything else with the tail's.
+
+        The parameters are routed by whether the runtime manages them as matrices (a group must
+        not mix the two). Unset hyperparameters come from the first group of the same kind; for
+        a matrix group, keys other than ``lr``/``weight_decay``/``initial_lr``/``split`` are
+        matrix optimizer keywords (e.g. ``momentum``).
+        """
+        if "kind" not in param_group:  # a user's group (our own groups arrive with their kind)
+            param_group = self._route(param_group)
+        super().add_param_group(param_group)
+        if hasattr(self, "_config_cache"):  # not while torch's __init__ adds the first groups
+            self._link_inner()
+
+    def _route(self, param_group: dict[str, Any]) -> dict[str, Any]:
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        ids = self._matrix_ids | {id(mp.sharded) for mp in self._runtime.params.values()}
+        kinds = {id(p) in ids for p in params}
+        if len(kinds) > 1:
+            shapes = [tuple(p.shape) for p in params]
+            raise ValueError(
+                f"MatrixOptimizer.add_param_group: the group (parameter shapes {shapes}) mixes "
+                "matrices managed by matrixfsdp with other tensors; add them as two groups"
+            )
+        group = {**param_group, "params": params}
+        if kinds == {True}:
+            return self._matrix_group_defaults(group)
+        if self._tail_inner is None:
+            cls_or_name, lr, wd, kwargs = self._tail_args
+            self._tail_inner = _tail_inner(cls_or_name, params, lr, wd, kwargs)
+            assert self._tail_inner is not None  # params is not empty here
+            self._tail_inner.param_groups.clear()
+        return {**self._tail_inner.defaults, **group, "kind": "tail"}
+
+    def _matrix_group_defaults(self, group: dict[str, Any]) -> dict[str, Any]:
+        base = next(g for g in self.param_groups if g["kind"] == "matrix")
+        own = {"params", "lr", "weight_decay", "initial_lr", "split"}
+        kwargs = {**base["matrix_kwargs"], **{k: v for k, v in group.items() if k not in own}}
+        if self._spec is not None:
+            config = self._spec.make_config(kwargs)  # validates, naming the bad field
+            if dataclasses.is_dataclass(config):
+                kwargs = dataclasses.asdict(config)
+        lr = group.get("lr", base["lr"])
+        return {"params": group["params"], "kind": "matrix", "lr": lr,
+                "initial_lr": group.get("initial_lr", lr),
+                "weight_decay": group.get("weight_decay", base["weight_decay"]),
+                "optimizer": base["optimizer"], "matrix_kwargs": kwargs,
+                "split": group.get("split", base.get("split") or {})}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
@@ -169,15 +223,16 @@ class MatrixOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._runtime.quiesce()  # no gather may read a parameter while it is being stepped
         with comm_phase(Phase.OPTIMIZER), record_function("matrixfsdp::optimizer_step"):
-            for group in self.param_groups:
+            for index, group in enumerate(self.param_groups):
                 if group.get("kind") == "matrix":
-                    self._step_matrices(group)
-                elif self._tail_inner is not None:
-                    self._tail_inner.step()
+                    self._step_matrices(index, group)
+            if self._tail_inner is not None:  # once, over every tail group
+                self._tail_inner.step()
         return loss
 
-    def _step_matrices(self, group: dict[str, Any]) -> None:
+    def _step_matrices(self, index: int, group: dict[str, Any]) -> None:
         # Sharded stacks are DTensors: every rank keeps (possibly empty) state for them, so all
         # ranks agree on the state's keys; plain matrices have state on their owner only.
         owned = [p for p in group["params"]
@@ -185,7 +240,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
         if not owned:
             return
         if self._matrix_cls is not None:
-            self._step_with_torch_class(group)
+            self._step_with_torch_class(index, group)
             return
         spec = self._spec
         assert spec is not None  # one of the two is always set by _matrix_group
@@ -225,17 +280,19 @@ class MatrixOptimizer(torch.optim.Optimizer):
             self._layout_cache = (key, layouts)
         return self._layout_cache[1]
 
-    def _step_with_torch_class(self, group: dict[str, Any]) -> None:
+    def _step_with_torch_class(self, index: int, group: dict[str, Any]) -> None:
         cls = self._matrix_cls
         assert cls is not None  # checked by the caller
-        if self._matrix_inner is None:
+        inner = self._matrix_inners.get(index)
+        if inner is None:
             owned_all = [p for p in group["params"] if p.numel() > 0]
-            self._matrix_inner = cls(owned_all, **group["matrix_kwargs"], lr=group["lr"],
-                                     weight_decay=group["weight_decay"])
+            inner = cls(owned_all, **group["matrix_kwargs"], lr=group["lr"],
+                        weight_decay=group["weight_decay"])
+            self._matrix_inners[index] = inner
             self._link_inner()
-        inner_group = self._matrix_inner.param_groups[0]
+        inner_group = inner.param_groups[0]
         inner_group["lr"], inner_group["weight_decay"] = group["lr"], group["weight_decay"]
-        self._matrix_inner.step()
+        inner.step()
 
     def _config(self, group: dict[str, Any], spec: MatrixOptimizerSpec) -> Any:
         kwargs = group["matrix_kwargs"]

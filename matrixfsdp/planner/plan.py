@@ -23,6 +23,10 @@
 - The plan is a pure function of (names, shapes, dtypes, roles, groups, world size, planner
   options): identical on every rank, across runs and after a restart. Checkpoints record it and
   resharding recomputes it, so nothing here may depend on process state.
+- *mesh shape*: ``(replicate, shard)`` of the mesh the model was wrapped on. Owners are planned
+  over the shard dim (``world_size`` = shard size) and the same plan holds in every replica
+  (HSDP); a flat mesh is ``(1, world_size)``. Plans written before it existed have ``None``
+  (read as flat); ``plan_hash`` covers it when set and leaves such plans' digests unchanged.
 """
 
 from __future__ import annotations
@@ -170,6 +174,7 @@ class Plan(BaseModel):
     params: tuple[ParamPlacement, ...]
     # fqn -> why its role differs from the default rule (a matrix_filter, a planner demotion)
     notes: dict[str, str] = Field(default_factory=dict)
+    mesh_shape: tuple[int, int] | None = None  # (replicate, shard); None: an older, flat plan
 
     @classmethod
     def trusted(cls, **fields: object) -> Plan:
@@ -182,6 +187,13 @@ class Plan(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> Plan:
+        if self.mesh_shape is not None:
+            replicate, shard = self.mesh_shape
+            if replicate < 1 or shard != self.world_size:
+                raise ValueError(
+                    f"mesh_shape {tuple(self.mesh_shape)} must be (replicate >= 1, shard = "
+                    f"world_size = {self.world_size}): owners are planned over the shard dim"
+                )
         seen: set[str] = set()
         for p in self.params:
             if p.fqn in seen:
@@ -208,6 +220,20 @@ class Plan(BaseModel):
             if placement.fqn == fqn:
                 return placement
         raise KeyError(fqn)
+
+    @property
+    def replicate_size(self) -> int:
+        """Replicas of this plan (HSDP); 1 for a flat mesh or an older plan."""
+        return self.mesh_shape[0] if self.mesh_shape is not None else 1
+
+    def with_mesh_shape(self, replicate: int, shard: int) -> Plan:
+        """This plan recorded for a ``(replicate, shard)`` mesh (``shard`` must be world_size)."""
+        if self.mesh_shape is not None and tuple(self.mesh_shape) != (replicate, shard):
+            raise ValueError(
+                f"the plan was made for mesh shape {tuple(self.mesh_shape)}, not "
+                f"{(replicate, shard)}; plan for the mesh the model is wrapped on"
+            )
+        return Plan.trusted(**{**dict(self), "mesh_shape": (replicate, shard)})
 
     @property
     def matrices(self) -> tuple[ParamPlacement, ...]:
@@ -257,12 +283,15 @@ class Plan(BaseModel):
     def plan_hash(self) -> str:
         """A stable SHA-256 over the canonical JSON (sorted keys, no whitespace).
 
-        A row's trailing ``orientation`` is left out while it is the default ``"out_in"``, so
-        plans without transposed matrices hash as they did before the field existed (older
-        checkpoints' recorded hashes still verify).
+        Fields added after plans were first written are left out while they hold their
+        defaults, so older plans hash as before (older checkpoints' recorded hashes still
+        verify): a row's trailing ``orientation`` while it is ``"out_in"``, and ``mesh_shape``
+        while it is ``None``.
         """
         data = self.model_dump(mode="json")
         data["params"] = [row[:-1] if row[-1] == "out_in" else row for row in data["params"]]
+        if data.get("mesh_shape") is None:
+            data.pop("mesh_shape", None)
         canonical = json.dumps(data, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()
 

@@ -9,10 +9,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..collectives import OwnerComm, Pending
+from ..collectives import OwnerComm, Pending, ReplicateComm
 from .matrix_param import MatrixParam
 
-__all__ = ["GroupState", "MatrixGroup", "PendingReduce"]
+__all__ = ["GroupState", "MatrixGroup", "PendingAllReduce", "PendingReduce"]
 
 
 class GroupState(enum.Enum):
@@ -30,6 +30,15 @@ class PendingReduce:
     pending: Pending
 
 
+@dataclass
+class PendingAllReduce:
+    """HSDP: an owner's summed segment being all-reduced over its replicate group."""
+
+    group: MatrixGroup
+    owned: torch.Tensor
+    pending: Pending
+
+
 class MatrixGroup:
     """The matrices gathered by one module's forward (a block, or the root).
 
@@ -38,6 +47,11 @@ class MatrixGroup:
     gradient for it): the owner sums flags with the values, so a matrix that got no gradient on any
     rank keeps ``.grad = None`` exactly as in single-device training, while a matrix used on only
     some ranks still gets the exact global-batch average.
+
+    Under HSDP (``replicate`` set, see [Note: HSDP mesh]) the owner's summed segment, flags
+    included, is then summed over the replicate group: a flag counts the ranks of all replicas
+    that had a gradient, and the divisor is every rank of the mesh (``R x S``), so the result is
+    the exact global average, ``None`` only when no rank of any replica had a gradient.
     """
 
     def __init__(
@@ -48,12 +62,16 @@ class MatrixGroup:
         comm: OwnerComm,
         *,
         reduce_dtype: torch.dtype | None = None,
+        replicate: ReplicateComm | None = None,
     ) -> None:
         self.name = name
         self.module = module
         self.params = list(params)
         self.comm = comm
+        self.replicate = replicate
         self.reduce_dtype = reduce_dtype
+        # Owners' summed segments kept while the replicate all-reduce is off (accumulation).
+        self._unreduced: torch.Tensor | None = None
         world = comm.world_size
         self.owned_by = [[p for p in self.params if p.owner_rank == r] for r in range(world)]
         self.gather_numels = [sum(p.numel for p in owned) for owned in self.owned_by]
@@ -62,6 +80,12 @@ class MatrixGroup:
         self.reduce_numels = [sum(p.numel + 1 for p in owned) for owned in self.trainable_by]
         self.state = GroupState.SHARDED
         self._gather: tuple[list[torch.Tensor], Pending] | None = None
+        self.begin_iteration()
+
+    def begin_iteration(self) -> None:
+        """Reset this group's progress through one forward/backward (see the state's Note)."""
+        self.backwards_pending = 0  # forward calls whose backward has not completed yet
+        self.grads_reduced = False  # its reduction was issued this iteration
 
     # -- unshard / reshard ------------------------------------------------------------------------
     def unshard(self, *, async_op: bool = False) -> None:
@@ -98,9 +122,15 @@ class MatrixGroup:
         self.state = GroupState.UNSHARDED
 
     def reshard(self) -> None:
-        """Free non-owned storage (owners keep their pinned matrices)."""
+        """Free non-owned storage (owners keep their pinned matrices).
+
+        A gather still in flight is waited and its output dropped (the collective must complete
+        before its buffers can go, but nothing is copied into storage about to be freed).
+        """
         if self.state is GroupState.GATHERING:
-            self.wait_unshard()
+            assert self._gather is not None  # internal invariant of the state machine
+            self._gather[1].wait()
+            self._gather = None
         for p in self.params:
             p.free()
         self.state = GroupState.SHARDED
@@ -137,24 +167,55 @@ class MatrixGroup:
                 p.unsharded.grad = None
         return flat
 
-    def finish_reduce(self, reduce: PendingReduce) -> None:
-        """Wait, then give each owned matrix its averaged gradient (or leave it ``None``)."""
+    @property
+    def grad_divisor(self) -> int:
+        """Ranks whose gradients are averaged: the shard group times the replicas (HSDP)."""
+        return self.comm.world_size * (self.replicate.world_size if self.replicate else 1)
+
+    def finish_reduce(self, reduce: PendingReduce, *,
+                      all_reduce: bool = True) -> PendingAllReduce | None:
+        """Wait; then average into the owned matrices' ``.grad``, or, under HSDP, start the
+        all-reduce of the owned segment over the replicate group and return it.
+
+        With ``all_reduce=False`` (HSDP accumulation) the owned sum is kept, unreduced over the
+        replicas, and added to the next reduction that all-reduces.
+        """
         reduce.pending.wait()
+        if not self.trainable_by[self.comm.rank]:
+            return None
+        if self.replicate is None:
+            self.accumulate_owned(reduce.owned)
+            return None
+        # A copy: the reduction's output is a view of the group's full buffer, freed right now.
+        owned = reduce.owned.clone()
+        if self._unreduced is not None:
+            owned.add_(self._unreduced)
+            self._unreduced = None
+        if not all_reduce:
+            self._unreduced = owned
+            return None
+        pending = self.replicate.all_reduce(owned, async_op=True)
+        return PendingAllReduce(self, owned, pending)
+
+    def finish_all_reduce(self, work: PendingAllReduce) -> None:
+        work.pending.wait()
+        self.accumulate_owned(work.owned)
+
+    def accumulate_owned(self, owned: torch.Tensor) -> None:
+        """Give each owned matrix its averaged gradient from the summed segment (or leave None)."""
         mine = self.trainable_by[self.comm.rank]
-        if not mine:
-            return
         starts = [0]
         for p in mine:
             starts.append(starts[-1] + p.numel + 1)
-        flag_index = torch.tensor([s - 1 for s in starts[1:]], device=reduce.owned.device)
-        present = reduce.owned.index_select(0, flag_index).tolist()  # one host sync per group
-        world = self.comm.world_size
+        flag_index = torch.tensor([s - 1 for s in starts[1:]], device=owned.device)
+        present = owned.index_select(0, flag_index).tolist()  # one host sync per group
+        divisor = self.grad_divisor
         for p, start, flag in zip(mine, starts, present, strict=False):
             if flag <= 0:
                 continue  # no rank produced a gradient: stays None, as on one device
-            values = reduce.owned[start : start + p.numel].view(p.shape)
+            values = owned[start : start + p.numel].view(p.shape)
             # A standalone tensor: a view would keep the whole group buffer alive.
-            grad = torch.div(values, world).to(p.dtype)
+            grad = torch.div(values, divisor).to(p.dtype)
             if p.sharded.grad is None:
                 p.sharded.grad = grad
             else:

@@ -2,8 +2,10 @@
 
 [Note: sharded and unsharded matrix parameters]
 - ``sharded`` is what ``model.parameters()``, optimizers and state dicts see outside
-  forward/backward: the whole matrix on its owner, ``torch.empty(0)`` on every other rank (so
-  every rank has one parameter per matrix and optimizers are never empty).
+  forward/backward: the whole matrix on its owner, an empty *placeholder* of shape
+  ``(0, *shape[1:])`` on every other rank (so every rank has one parameter per matrix, optimizers
+  are never empty, and fan-in based inits such as ``nn.Linear.reset_parameters()`` or
+  ``nn.init.kaiming_uniform_(module.weight)`` run on every rank and compute the true fan-in).
 - ``unsharded`` is the autograd leaf used in forward/backward. On the owner it *pins* the
   sharded storage: ``unsharded.data`` is ``sharded.data`` (no copy, stable ``data_ptr``), unless a
   mixed-precision ``compute_dtype`` needs a cast copy. On non-owners it is full-shaped with its own
@@ -14,6 +16,10 @@
   ``module._parameters[name]`` is ``sharded``.
 - Incoming data is written through ``.data`` so autograd's version counter of the leaf (which
   may be saved for backward) is not bumped.
+- The module's registered ``sharded`` tensor may be replaced from outside: ``model.to_empty()``
+  and other ``nn.Module._apply`` conversions, ``load_state_dict(..., assign=True)``. ``refresh()``
+  adopts the new tensor (checking its shape) and rebuilds ``unsharded`` on its device and dtype,
+  re-pinning the owner's storage; the runtime calls it right after each such operation.
 """
 
 from __future__ import annotations
@@ -47,21 +53,32 @@ class MatrixParam:
         self.is_owner = owner_rank == rank
         self.shape = param.shape
         self.numel = math.prod(param.shape)
-        self.dtype = param.dtype
-        self.compute_dtype = compute_dtype or param.dtype
-        self.device = param.device
-        self.requires_grad = param.requires_grad
+        self._mp_dtype = compute_dtype
         if self.is_owner:
             # The original storage becomes the owner's shard: nothing is copied.
             self.sharded = param
         else:
             self.sharded = nn.Parameter(
-                torch.empty(0, dtype=self.dtype, device=self.device),
+                torch.empty(self.placeholder_shape, dtype=param.dtype, device=param.device),
                 requires_grad=param.requires_grad,
             )
+        module._parameters[name] = self.sharded
+        self._build_unsharded()
+
+    @property
+    def placeholder_shape(self) -> tuple[int, ...]:
+        """A non-owner's empty shard: no elements, but the true fan-in for ``nn.init``."""
+        return (0, *self.shape[1:])
+
+    def _build_unsharded(self) -> None:
+        """(Re)create the unsharded leaf on the sharded tensor's device and dtype; pin or free."""
+        self.dtype = self.sharded.dtype
+        self.device = self.sharded.device
+        self.requires_grad = self.sharded.requires_grad
+        self.compute_dtype = self._mp_dtype or self.dtype
         self.unsharded = nn.Parameter(
             torch.empty(self.shape, dtype=self.compute_dtype, device=self.device),
-            requires_grad=param.requires_grad,
+            requires_grad=self.requires_grad,
         )
         self._pins = self.is_owner and self.compute_dtype == self.dtype
         if self._pins:
@@ -69,7 +86,34 @@ class MatrixParam:
         else:
             _free(self.unsharded)
         self.resident = self._pins
-        module._parameters[name] = self.sharded
+
+    def refresh(self) -> None:
+        """Adopt the tensor now registered in the module (see the Note) and rebuild ``unsharded``."""
+        current = self.module._parameters.get(self.name)
+        if current is self.unsharded:  # called mid-forward: nothing was replaced
+            return
+        if not isinstance(current, nn.Parameter):
+            raise ValueError(
+                f"matrix {self.fqn!r} (shape {tuple(self.shape)}) was replaced by "
+                f"{type(current).__name__}; matrices must stay nn.Parameters of their module"
+            )
+        expected = tuple(self.shape) if self.is_owner else self.placeholder_shape
+        if tuple(current.shape) != expected:
+            role = "its owner" if self.is_owner else f"non-owner rank (owner {self.owner_rank})"
+            raise ValueError(
+                f"matrix {self.fqn!r} (shape {tuple(self.shape)}) now holds a tensor of shape "
+                f"{tuple(current.shape)} on this {role}, which must hold shape {expected}; "
+                "load whole weights with matrixfsdp.checkpoint.load_full_state_dict or a state "
+                "dict taken from the wrapped model (model.state_dict())"
+            )
+        replaced = current is not self.sharded
+        moved = (current.device != self.unsharded.device
+                 or (self._mp_dtype is None and current.dtype != self.unsharded.dtype)
+                 or current.requires_grad != self.unsharded.requires_grad)
+        self.sharded = current
+        if replaced or moved or (self._pins and
+                                 self.unsharded.data_ptr() != current.data_ptr()):
+            self._build_unsharded()
 
     # -- storage ----------------------------------------------------------------------------------
     @property
@@ -115,7 +159,9 @@ class MatrixParam:
         self.module._parameters[self.name] = self.unsharded
 
     def use_sharded(self) -> None:
-        self.module._parameters[self.name] = self.sharded
+        # Only undo our own swap: a tensor put in its place from outside is left for refresh().
+        if self.module._parameters.get(self.name) is self.unsharded:
+            self.module._parameters[self.name] = self.sharded
 
     def __repr__(self) -> str:
         return (

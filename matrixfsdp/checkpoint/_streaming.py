@@ -1,0 +1,117 @@
+"""Which part of each full tensor this rank reads, and the copy into the wrapped model.
+
+[Note: what each rank reads in a full-weight load]
+- A matrix (whole-owned 2-D weight or 3-D stack): its owner reads it whole into the owned
+  parameter; every other rank reads nothing.
+- A DTensor (the FSDP2 tail, sharded expert stacks): the global index range of this rank's local
+  shard, derived from the placements and the mesh coordinate (``Shard(d)`` splits dim ``d`` as
+  ``torch.chunk`` does: chunks of ``ceil(n / size)``, an uneven or empty last one; FSDP2's
+  padding lies outside ``to_local()``). Only that range is read.
+- Anything else (buffers, plain parameters): every rank reads it whole.
+Every read is copied straight into the target (casting the dtype if it differs) and dropped, so
+a load holds at most one source tensor at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import NamedTuple
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+from ..runtime import MatrixFSDPState
+from .sources import Index, TensorSource
+
+__all__ = ["TensorRead", "alias_groups", "copy_reads", "local_index", "plan_reads"]
+
+
+class TensorRead(NamedTuple):
+    """One read of a load: ``source[source_key][index]`` into ``target``."""
+
+    key: str  # the model's state-dict key
+    source_key: str
+    index: Index | None  # None: the whole tensor
+    target: torch.Tensor
+
+
+def local_index(target: DTensor, fqn: str) -> Index:
+    """The global slice of ``target``'s full tensor that this rank's local shard holds."""
+    mesh = target.device_mesh
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        raise NotImplementedError(f"{fqn!r}: this rank is not in the mesh of its DTensor")
+    bounds = [(0, n) for n in target.shape]
+    for mesh_dim, placement in enumerate(target.placements):
+        if placement.is_replicate():
+            continue
+        if type(placement) is not Shard:  # _StridedShard, Partial, custom placements
+            raise NotImplementedError(
+                f"{fqn!r}: cannot read the local shard of placement {placement} (only Shard(d) "
+                "and Replicate are supported); load a mapping from a full state dict instead"
+            )
+        dim = placement.dim
+        lo, hi = bounds[dim]
+        length, parts = hi - lo, mesh.size(mesh_dim)
+        chunk = -(-length // parts)
+        start = min(coordinate[mesh_dim] * chunk, length)
+        bounds[dim] = (lo + start, lo + min(start + chunk, length))
+    index = tuple(slice(lo, hi) for lo, hi in bounds)
+    local_shape = tuple(hi - lo for lo, hi in bounds)
+    if local_shape != tuple(target.to_local().shape):
+        raise NotImplementedError(
+            f"{fqn!r}: local shard shape {tuple(target.to_local().shape)} differs from the "
+            f"{local_shape} its placements {target.placements} give; uneven custom sharding is "
+            "not supported by streaming loads"
+        )
+    return index
+
+
+def alias_groups(model: nn.Module) -> dict[str, list[str]]:
+    """``state-dict key -> every key naming the same parameter`` (tied weights), else itself."""
+    by_param: dict[int, list[str]] = {}
+    for fqn, param in model.named_parameters(remove_duplicate=False):
+        by_param.setdefault(id(param), []).append(fqn)
+    return {fqn: fqns for fqns in by_param.values() for fqn in fqns}
+
+
+def plan_reads(
+    model: nn.Module, runtime: MatrixFSDPState, sources: Mapping[str, str]
+) -> list[TensorRead]:
+    """This rank's reads for ``sources`` (model key -> source key); see the Note."""
+    reads = []
+    for key, target in model.state_dict().items():
+        source_key = sources.get(key)
+        if source_key is None:
+            continue
+        mp = runtime.params.get(key)
+        if mp is not None and not mp.is_owner:
+            continue
+        if isinstance(target, DTensor):
+            local = target.to_local()
+            if local.numel():
+                reads.append(TensorRead(key, source_key, local_index(target, key), local))
+        else:
+            reads.append(TensorRead(key, source_key, None, target))
+    return reads
+
+
+@torch.no_grad()
+def copy_reads(source: TensorSource, reads: list[TensorRead]) -> None:
+    """Read each tensor (or slice) and copy it into its target, one at a time."""
+    for read in reads:
+        value = source.read(read.source_key, read.index)
+        if tuple(value.shape) != tuple(read.target.shape):
+            raise RuntimeError(  # validated before: a source that changed under us
+                f"{source.name}: read {read.source_key!r}{_show(read.index)} as shape "
+                f"{tuple(value.shape)}, expected {tuple(read.target.shape)} for {read.key!r}"
+            )
+        read.target.copy_(value)
+        del value
+
+
+def _show(index: Index | None) -> str:
+    if index is None:
+        return ""
+    return "[" + ", ".join(f"{s.start}:{s.stop}" for s in index) + "]"
