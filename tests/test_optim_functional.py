@@ -140,7 +140,7 @@ def _ref_soap(w0, grads, q_init, *, b1, b2, eps, k, lr=LR, wd=WD):
     return W
 
 
-def _ref_okls(w0, grads, *, b1=0.95, b2=0.95, eps=1e-12, lr=LR, wd=WD, lrs=None):
+def _ref_okls(w0, grads, *, b1=0.9684, b2=0.9482, eps=1e-9, lr=LR, wd=WD, lrs=None):
     W = w0.double()
     m, n = W.shape
     M = torch.zeros_like(W)
@@ -249,10 +249,10 @@ def test_okls_matches_float64_reference(shape):
     assert state["S_a"].shape == (m * (m + 1) // 2,) and state["P_b"].shape == (n * (n + 1) // 2,)
     w_ref = _ref_okls(w0, grads, lrs=lrs)
     err = _rel_update_error(w0, w_lib, w_ref)
-    assert err <= 1e-4, err  # measured 1.5e-5 (24x40) and 1.9e-5 (40x24)
+    assert err <= 1e-4, err  # measured 1.3e-5 (24x40) and 1.7e-5 (40x24)
     # the eigh root method is the same algorithm with exact roots
     w_eigh, _ = _run_lib("okls", OKLSConfig(root_method="eigh"), w0, grads, lrs=lrs)
-    assert _rel_update_error(w0, w_eigh, w_ref) <= 5e-5  # fp32 state; measured ~8e-6
+    assert _rel_update_error(w0, w_eigh, w_ref) <= 5e-5  # fp32 state; measured ~7e-6
 
 
 def test_okls_fp16_scaled_path_tracks_reference():

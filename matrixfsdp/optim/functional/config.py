@@ -151,16 +151,19 @@ class SOAPConfig:
 
 @dataclass(frozen=True)
 class OKLSConfig:
-    """Online KL Shampoo; names/defaults follow the public release's README.
+    """Online KL Shampoo; names and defaults follow the public release
+    (tilde-research/online-kl-shampoo-release, ``OnlineKLShampoo``: beta1=0.9684,
+    beta2=0.9482, eps=1e-9; its lr=0.09434 and weight_decay=0.0303 are passed to
+    the step function, not stored here).
 
     ``root_method`` is "cans" (Scaled CANS, the published method) or "eigh"
     (float64 eigendecomposition, for debugging). ``fp16_scaled`` selects the
     fp16-GEMM CANS path: None means "on CUDA only".
     """
 
-    beta1: float = 0.95
-    beta2: float = 0.95
-    eps: float = 1e-12
+    beta1: float = 0.9684
+    beta2: float = 0.9482
+    eps: float = 1e-9
     root_method: str = "cans"
     fp16_scaled: bool | None = None
 
