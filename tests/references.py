@@ -26,6 +26,7 @@ __all__ = [
     "SOAPReference",
     "ShampooReference",
     "StackReference",
+    "check_eigenbasis",
     "make_reference",
     "sym_power",
 ]
@@ -121,19 +122,20 @@ class SOAPReference:
     """SOAP as nikhilvyas/SOAP, with the first moment kept in the ORIGINAL space and projected
     every step (equivalent to the library's re-projected rotated moment, as the EMA is linear).
 
-    ``pick_basis(QL, QR, L, R)`` may replace the step-1 eigenbases: the eigenbasis of a
-    rank-deficient factor is arbitrary inside its null space, so a test checks the library's
-    choice is a valid eigenbasis and hands it over.
+    ``pick_basis(QL, QR, L, R, index=...)`` may replace the step-1 eigenbases (``index`` is the
+    expert of a stack, else None): the eigenbasis of a rank-deficient factor is arbitrary inside
+    its null space, so a test checks with :func:`check_eigenbasis` that the library's choice is
+    a valid one and hands it over.
     """
 
     def __init__(self, shape, *, betas=(0.95, 0.95), shampoo_beta=None, eps=1e-8,
                  precondition_frequency=10, correct_bias=True,
                  pick_basis: Callable[..., tuple[Tensor, Tensor]] | None = None,
-                 **_: Any) -> None:
+                 index: int | None = None, **_: Any) -> None:
         self.b1, self.b2 = betas
         self.bs = self.b2 if shampoo_beta is None else shampoo_beta
         self.eps, self.k, self.correct_bias = eps, precondition_frequency, correct_bias
-        self.pick_basis = pick_basis
+        self.pick_basis, self.index = pick_basis, index
         self.M, self.V = torch.zeros(shape, dtype=F64), torch.zeros(shape, dtype=F64)
         self.calls = 0
 
@@ -149,7 +151,8 @@ class SOAPReference:
             self.L, self.R = (1 - bs) * G @ G.T, (1 - bs) * G.T @ G
             self.QL, self.QR = self._eigvecs_descending(self.L), self._eigvecs_descending(self.R)
             if self.pick_basis is not None:
-                self.QL, self.QR = self.pick_basis(self.QL, self.QR, self.L, self.R)
+                self.QL, self.QR = self.pick_basis(self.QL, self.QR, self.L, self.R,
+                                                   index=self.index)
             return W.clone()
         t, QL, QR = self.calls - 1, self.QL, self.QR
         self.M = b1 * self.M + (1 - b1) * G
@@ -243,11 +246,27 @@ REFERENCES: dict[str, type] = {
 }
 
 
+def check_eigenbasis(Q: Tensor, A: Tensor, rtol: float = 1e-5) -> Tensor:
+    """Assert ``Q`` (any dtype) is an orthonormal eigenbasis of symmetric ``A`` with eigenvalues in
+    descending order (within ``rtol`` of ``||A||``); return it in float64."""
+    Q, A = Q.to(F64), A.to(F64)
+    eye = torch.eye(Q.shape[0], dtype=F64)
+    assert torch.linalg.norm(Q.T @ Q - eye) <= 10 * rtol, "basis is not orthonormal"
+    rot = Q.T @ A @ Q
+    off = rot - torch.diag(torch.diagonal(rot))
+    scale = torch.linalg.norm(A)
+    assert torch.linalg.norm(off) <= rtol * scale, "basis does not diagonalise the factor"
+    lam = torch.diagonal(rot)
+    assert bool((lam[:-1] >= lam[1:] - rtol * scale).all()), "eigenvalues not descending"
+    return Q
+
+
 class StackReference:
     """An ``(E, m, n)`` stack stepped as E independent matrices."""
 
     def __init__(self, name: str, shape, **hyper: Any) -> None:
-        self.slices = [REFERENCES[name](tuple(shape[1:]), **hyper) for _ in range(shape[0])]
+        self.slices = [REFERENCES[name](tuple(shape[1:]), index=i, **hyper)
+                       for i in range(shape[0])]
 
     def step(self, W: Tensor, G: Tensor, **kw: float) -> Tensor:
         return torch.stack([ref.step(W[i], G[i], **kw) for i, ref in enumerate(self.slices)])

@@ -225,7 +225,8 @@ class EmaGramConfig:
     ``"absolute"`` adds ``eps * I`` to the bias-corrected Gram, as Distributed
     Shampoo does. ``shape_scale`` multiplies the update like Muon's
     ``adjust_lr_fn``: "none", "original" (sqrt(max(1, m/n))) or
-    "match_rms_adamw" (0.2 * sqrt(max(m, n))).
+    "match_rms_adamw" (0.2 * sqrt(max(m, n))). ``root_dtype`` is the eigh compute dtype
+    ("float32" or "float64"; the roots are stored in fp32).
     """
 
     betas: tuple[float, float] = (0.95, 0.95)
@@ -234,6 +235,7 @@ class EmaGramConfig:
     bias_correction: bool = True
     shape_scale: str = "none"
     eps_mode: Literal["relative", "absolute"] = "relative"
+    root_dtype: str = "float32"
 
     def __post_init__(self) -> None:
         _check_betas(self, self.betas, beta2_closed=False)
@@ -242,3 +244,4 @@ class EmaGramConfig:
         _check_bool(self, "bias_correction", self.bias_correction)
         _check_choice(self, "shape_scale", self.shape_scale, _SHAPE_SCALES)
         _check_choice(self, "eps_mode", self.eps_mode, _EPS_MODES)
+        _check_choice(self, "root_dtype", self.root_dtype, _ROOT_DTYPES)
