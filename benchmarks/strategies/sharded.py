@@ -65,7 +65,8 @@ class _ShardedMatrices(Strategy):
 
 
 class ReconstructionStrategy(_ShardedMatrices):
-    """Stock FSDP2 + a matrix optimizer by reconstruction (the paper's "stock FSDP2-Muon").
+    """Stock FSDP2 + a matrix optimizer by reconstruction ("stock FSDP2-Muon" in the MatrixFSDP
+    paper, "MatrixFSDP: communication-free matrix optimizers under ZeRO-3 parameter sharding").
 
     Per matrix and step: ``full_tensor()`` all-gathers the gradient and every optimizer-state
     tensor (state is kept ``Shard(0)``, ZeRO-3 style); every rank runs the step function on the
