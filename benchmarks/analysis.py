@@ -10,7 +10,7 @@ import torch
 from .config import BenchConfig
 from .costmodel import fit_alpha_beta, predict_measured
 from .measure import Collective, summarize
-from .model import GPT
+from .model import build_gpt
 from .schedule import Setup, per_rank_recv, resident_model, schedule
 from .strategies import owner_plan
 
@@ -62,7 +62,7 @@ def _resident(rank_results: list[dict[str, Any]], name: str) -> dict[str, Any]:
 def _schedule_check(cfg: BenchConfig, comm: dict[str, Any], resident: dict[str, Any]) -> dict:
     """The analytic schedule / resident model against the counted figures, per strategy."""
     torch.manual_seed(cfg.seed)
-    setup = Setup(owner_plan(GPT(cfg.model), cfg.world_size, cfg.optim.name), cfg.optim.name)
+    setup = Setup(owner_plan(build_gpt(cfg.model), cfg.world_size, cfg.optim.name), cfg.optim.name)
     out = {}
     for name in comm:
         ops = schedule(setup, name)
@@ -91,7 +91,7 @@ def _references(cfg: BenchConfig, timing: list[dict[str, Any]]) -> tuple[dict[st
     out["per_matrix"] = {f: statistics.median(r["per_matrix"][f] for r in refs)
                          for f in refs[0]["per_matrix"]}
     torch.manual_seed(cfg.seed)
-    model = GPT(cfg.model)
+    model = build_gpt(cfg.model)
     out["params_all"] = sum(p.numel() for p in model.parameters())
     out["params_tail"] = out["params_all"] - sum(
         p.numel() for f, p in model.named_parameters() if f in out["per_matrix"])

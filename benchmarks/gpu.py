@@ -145,14 +145,14 @@ def smoke_test(device: torch.device, optimizer: str, small: bool = False,
 
     from .config import ModelConfig, OptimConfig
     from .measure import count_collectives
-    from .model import GPT, global_tokens, lm_loss
+    from .model import build_gpt, global_tokens, lm_loss
     from .strategies.base import MatrixStepper
 
     cfg = (ModelConfig(dim=64, layers=2, heads=2, mlp_hidden=128, vocab=64, seq_len=32) if small
            else ModelConfig(dim=256, layers=2, heads=4, mlp_hidden=512, vocab=256, seq_len=128))
     optim = OptimConfig.for_name(optimizer, ns_dtype="float32")
     torch.manual_seed(0)
-    model = GPT(cfg).to(device)
+    model = build_gpt(cfg).to(device)
     ref = copy.deepcopy(model)
     mf.fully_shard_matrix(model, mesh=init_device_mesh(device.type, (1,)), planner=optimizer)
     opt = mf.MatrixOptimizer(model, optimizer=optimizer, lr=optim.matrix_lr,

@@ -22,7 +22,7 @@ from .measure import (
     time_collectives,
     track_live_memory,
 )
-from .model import GPT, global_tokens, lm_loss, local_tokens
+from .model import build_gpt, global_tokens, lm_loss, local_tokens
 from .strategies import Strategy, StrategyContext, build_strategy, owner_plan
 from .strategies.base import MatrixStepper
 
@@ -31,7 +31,7 @@ __all__ = ["Reference", "memory_worker", "reference_round", "timing_worker"]
 
 def _context(rank: int, world: int, cfg: BenchConfig) -> tuple[torch.nn.Module, StrategyContext]:
     torch.manual_seed(cfg.seed)
-    base = GPT(cfg.model)
+    base = build_gpt(cfg.model)
     mesh = init_device_mesh("cpu", (world,))
     return base, StrategyContext(cfg.optim, rank, world, mesh, owner_plan(base, world, cfg.optim.name))
 

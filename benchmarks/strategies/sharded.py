@@ -26,7 +26,7 @@ __all__ = [
 
 def _fully_shard(model: nn.Module, ctx: StrategyContext) -> None:
     """Stock FSDP2: one unit per block, then the root (the same units matrixfsdp uses)."""
-    for block in model.blocks:  # type: ignore[union-attr]
+    for block in model.layers:  # type: ignore[union-attr]
         fully_shard(block, mesh=ctx.mesh)
     fully_shard(model, mesh=ctx.mesh)
 
