@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from .collectives import Phase, TorchOwnerComm, comm_phase
+from .collectives import OwnerComm, Phase, TorchOwnerComm, comm_phase
 from .planner import Plan, make_plan
 from .runtime import MatrixFSDPState, MatrixGroup, MatrixParam
 from .runtime.selection import MatrixFilter, ParamSite, default_groups, param_specs, select_params
@@ -42,7 +42,7 @@ def fully_shard_matrix(
     reshard_after_forward: bool = True,
     mp_policy: MixedPrecisionPolicy | None = None,
     planner: object = None,
-    collectives: Literal["auto", "alltoall", "p2p"] = "auto",
+    collectives: Literal["auto", "alltoall", "p2p", "nvshmem"] = "auto",
 ) -> nn.Module:
     """Shard ``model`` owner-style: each selected matrix whole on one rank, the tail in FSDP2.
 
@@ -62,7 +62,10 @@ def fully_shard_matrix(
         collectives: how owner segments move: one uneven all-to-all per group (``"alltoall"``),
             one broadcast / reduce per owner segment (``"p2p"``), or ``"auto"``: per group,
             all-to-all while its owners cover about half the ranks or more, else p2p (see
-            ``TorchOwnerComm``).
+            ``TorchOwnerComm``). ``"nvshmem"``: one-sided put-with-signal transfers through
+            nvshmem4py (``pip install 'matrixfsdp[nvshmem]'``; CUDA, ranks on one host); where
+            it cannot run, one warning names the reason and the ``"auto"`` path is used
+            (``"auto"`` never picks NVSHMEM by itself).
 
     Returns the same module, changed in place.
     """
@@ -71,17 +74,20 @@ def fully_shard_matrix(
     group_modules = _resolve_groups(model, groups)
     sites = select_params(model, group_modules, matrix_filter, mesh.device_type)
     plan = make_plan(param_specs(sites), mesh.size(), planner)
-    if collectives not in ("auto", "alltoall", "p2p"):
+    if collectives not in ("auto", "alltoall", "p2p", "nvshmem"):
         raise ValueError(
-            f"collectives must be 'auto', 'alltoall' or 'p2p', got {collectives!r}"
+            f"collectives must be 'auto', 'alltoall', 'p2p' or 'nvshmem', got {collectives!r}"
         )
-    comm = TorchOwnerComm(
+    torch_impl = "auto" if collectives == "nvshmem" else collectives
+    comm: OwnerComm = TorchOwnerComm(
         mesh.get_group(),
-        gather_impl="broadcast" if collectives == "p2p" else collectives,
-        reduce_impl="reduce" if collectives == "p2p" else collectives,
+        gather_impl="broadcast" if torch_impl == "p2p" else torch_impl,
+        reduce_impl="reduce" if torch_impl == "p2p" else torch_impl,
     )
     _check_plan_agrees(plan, comm.group)
     matrix_groups = _build_groups(model, group_modules, sites, plan, comm, mp_policy)
+    if collectives == "nvshmem":
+        comm = _nvshmem_comm(comm, matrix_groups, mesh)
     ignored = {t for g in matrix_groups for p in g.params for t in (p.sharded, p.unsharded)}
     _apply_fully_shard(model, group_modules, ignored, mesh, reshard_after_forward, mp_policy)
     state = MatrixFSDPState(
@@ -287,6 +293,19 @@ def _build_groups(
             )
         groups.append(MatrixGroup(name, module_of_group[name], params, comm, reduce_dtype=reduce_dtype))
     return groups
+
+
+def _nvshmem_comm(comm: OwnerComm, groups: Sequence[MatrixGroup], mesh: DeviceMesh) -> OwnerComm:
+    """The NVSHMEM communicator for ``groups`` (sized from their segments), else ``comm``."""
+    from .collectives.nvshmem_backend import make_nvshmem_comm
+
+    device = torch.device(mesh.device_type)
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    chosen = make_nvshmem_comm(comm, groups, device)
+    for group in groups:
+        group.comm = chosen
+    return chosen
 
 
 def _fqn_of(model: nn.Module, module: nn.Module) -> str:

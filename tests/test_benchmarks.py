@@ -123,3 +123,19 @@ def test_benchmarks_build_the_cli_model() -> None:
 
     model = build_gpt(ModelConfig(dim=32, layers=2, heads=2, mlp_hidden=64, vocab=64, seq_len=16))
     assert type(model) is GPT and model.layers[0].up.weight.shape == (64, 32)
+
+
+def test_gpu_script_runs_every_section_on_cpu(tmp_path: Path) -> None:
+    """``--device cpu --tiny``: the GPU script's own code, at toy sizes, so a GPU run cannot fail
+    on a Python bug; every section must produce its rows and pass its checks."""
+    from benchmarks.gpu import main
+
+    out = tmp_path / "gpu.md"
+    assert main(["--device", "cpu", "--tiny", "--out", str(out)]) == 0
+    text = out.read_text()
+    for label in ("Newton–Schulz", "Scaled CANS, fp16", "QR refresh", "eigh, fp32",
+                  "runtime, world 1, gloo", "reload bitwise: yes", "put_signal loopback",
+                  "bytes equal: yes", "equal to NCCL path: yes", "offload_state='cpu'",
+                  "bitwise equal to on-device: yes"):
+        assert label in text, label
+    assert "FAILED" not in text
