@@ -415,6 +415,19 @@ def test_step_updates_a_view_in_place(name):
     assert not big.any()
 
 
+def test_defaults_follow_the_reference_implementations():
+    okls = OKLSConfig()  # tilde-research/online-kl-shampoo-release, OnlineKLShampoo
+    assert (okls.beta1, okls.beta2, okls.eps) == (0.9684, 0.9482, 1e-9)
+    soap = SOAPConfig()  # nikhilvyas/SOAP
+    assert (soap.betas, soap.eps, soap.precondition_frequency, soap.correct_bias) == (
+        (0.95, 0.95), 1e-8, 10, True)
+    muon = MuonConfig()  # torch.optim.Muon
+    assert (muon.momentum, muon.nesterov, muon.ns_steps, muon.eps) == (0.95, True, 5, 1e-7)
+    shampoo = ShampooConfig()  # Distributed Shampoo's conventions, this library's values
+    assert shampoo.bias_correction and shampoo.start_preconditioning_step == -1
+    assert shampoo.first_preconditioned_step == shampoo.precondition_frequency == 1
+
+
 def test_configs_accept_yaml_lists_and_are_hashable():
     cfg = ShampooConfig(betas=[0.9, 0.99])
     assert cfg.betas == (0.9, 0.99)

@@ -168,8 +168,11 @@ class ShampooConfig:
 class SOAPConfig:
     """SOAP (Vyas et al., 2024): Adam in the eigenbasis of Shampoo's factors.
 
+    Names and defaults follow the reference implementation (nikhilvyas/SOAP).
     ``shampoo_beta`` is the factor EMA coefficient; ``None`` means "use
-    betas[1]" as in the reference implementation.
+    betas[1]" as there. ``eps`` is Adam's absolute epsilon added to the
+    square root of the rotated second moment, as there; the factors'
+    eigendecompositions take no regularizer, so there is no ``eps_mode``.
     """
 
     betas: tuple[float, float] = (0.95, 0.95)
