@@ -17,7 +17,14 @@ from torch.distributed.tensor import DTensor
 from .collectives import OwnerComm, Phase, TorchOwnerComm, comm_phase
 from .planner import Plan, make_plan
 from .runtime import MatrixFSDPState, MatrixGroup, MatrixParam
-from .runtime.selection import MatrixFilter, ParamSite, default_groups, param_specs, select_params
+from .runtime.selection import (
+    MatrixFilter,
+    ParamSite,
+    default_groups,
+    param_specs,
+    report_selection,
+    select_params,
+)
 
 __all__ = [
     "clip_grad_norm_",
@@ -52,8 +59,12 @@ def fully_shard_matrix(
             device type of the model's parameters (CPU parameters mean a gloo CPU mesh).
         groups: communication units (one gather and one reduction each); ``None`` means every
             child of each outermost ``nn.ModuleList`` (the blocks), then the root.
-        matrix_filter: ``(fqn, param) -> bool`` choosing the matrices; ``None`` selects the 2-D
-            weights of ``nn.Linear`` modules inside a non-root group.
+        matrix_filter: ``(fqn, param) -> bool`` choosing the matrices; ``None`` applies the
+            default rule (see [Note: default matrix selection] in ``runtime/selection.py``): every
+            parameter of 2+ dims inside a group other than the root (``nn.Linear``, Hugging Face
+            ``Conv1D``, 3-D expert stacks, routers), except embeddings (and weights tied to
+            them), biases and conv kernels. Where a filter disagrees with the rule, the log names
+            the weights and ``get_plan(model).notes`` says why.
         reshard_after_forward: free non-owned matrices after forward (regather in backward).
         mp_policy: FSDP2 ``MixedPrecisionPolicy``; matrices compute in ``param_dtype`` and reduce
             in ``reduce_dtype`` (default: the parameter's own dtype), owners keep the master.
@@ -73,7 +84,12 @@ def fully_shard_matrix(
     mesh = _resolve_mesh(model, mesh)
     group_modules = _resolve_groups(model, groups)
     sites = select_params(model, group_modules, matrix_filter, mesh.device_type)
+    selection_notes = report_selection(sites, filtered=matrix_filter is not None)
     plan = make_plan(param_specs(sites), mesh.size(), planner)
+    for fqn, note in plan.notes.items():
+        logger.warning("matrixfsdp: %s: %s", fqn, note)
+    if selection_notes:
+        plan = plan.model_copy(update={"notes": {**selection_notes, **plan.notes}})
     if collectives not in ("auto", "alltoall", "p2p", "nvshmem"):
         raise ValueError(
             f"collectives must be 'auto', 'alltoall', 'p2p' or 'nvshmem', got {collectives!r}"
@@ -100,14 +116,20 @@ def fully_shard_matrix(
     )
     state.register_hooks()
     model.__dict__[_STATE_ATTR] = state
-    for fqn, note in plan.notes.items():
-        logger.warning("matrixfsdp: %s: %s", fqn, note)
+    _log_summary(plan, len(matrix_groups))
+    return model
+
+
+def _log_summary(plan: Plan, num_groups: int) -> None:
+    """One INFO line: what goes to owners, what stays in the tail, and the plan's balance."""
+    selection = plan.selection()
     logger.info(
-        "matrixfsdp: %d matrices in %d groups over %d ranks (plan %s, max/mean %.3f)",
-        len(plan.matrices), len(matrix_groups), plan.world_size, plan.plan_hash()[:12],
+        "matrixfsdp: %d matrices and %d expert stacks (%d as expert slices) go to owners, "
+        "%d tensors stay in the tail; %d groups over %d ranks (plan %s, max/mean bytes %.3f)",
+        len(selection.matrices), len(selection.stacks), len(plan.sharded_stacks),
+        len(selection.tail), num_groups, plan.world_size, plan.plan_hash()[:12],
         plan.imbalance("bytes"),
     )
-    return model
 
 
 def get_state(model: nn.Module) -> MatrixFSDPState:
@@ -125,7 +147,11 @@ def is_matrix_wrapped(model: nn.Module) -> bool:
 
 
 def get_plan(model: nn.Module) -> Plan:
-    """The owner plan the model was wrapped with (a pydantic ``Plan``)."""
+    """The owner plan the model was wrapped with (a pydantic ``Plan``).
+
+    ``get_plan(model).selection()`` lists the FQNs of the owner matrices, the 3-D expert stacks
+    and the tail; ``.notes`` says why a parameter's role differs from the default rule.
+    """
     return get_state(model).plan
 
 
