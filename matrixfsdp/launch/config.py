@@ -75,13 +75,16 @@ def _read(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
-    text = path.read_text()
-    if path.suffix in (".yaml", ".yml"):
-        import yaml
+    import yaml
 
-        data = yaml.safe_load(text)
-    else:
-        data = json.loads(text)
+    is_yaml = path.suffix in (".yaml", ".yml")
+    try:
+        text = path.read_text()
+        data = yaml.safe_load(text) if is_yaml else json.loads(text)
+    except (OSError, ValueError, yaml.YAMLError) as exc:  # ValueError: JSON and decoding errors
+        reason = " ".join(str(exc).split())  # one line: YAML errors span several
+        kind = "YAML" if is_yaml else "JSON"
+        raise ConfigError(f"config file {str(path)!r} is not valid {kind}: {reason}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {str(path)!r} must hold a mapping, got {type(data).__name__}")
     return data
