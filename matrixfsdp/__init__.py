@@ -19,6 +19,7 @@ _EXPORTS = {
     "fully_shard_matrix": "matrixfsdp.api",
     "get_plan": "matrixfsdp.api",
     "get_state": "matrixfsdp.api",
+    "global_grad_norm": "matrixfsdp.api",
     "is_matrix_wrapped": "matrixfsdp.api",
     "set_requires_gradient_sync": "matrixfsdp.api",
     "MatrixOptimizer": "matrixfsdp.optim",
@@ -38,6 +39,7 @@ __all__ = [
     "fully_shard_matrix",
     "get_plan",
     "get_state",
+    "global_grad_norm",
     "is_matrix_wrapped",
     "planner",
     "register_matrix_optimizer",
@@ -51,6 +53,7 @@ if TYPE_CHECKING:
         fully_shard_matrix,
         get_plan,
         get_state,
+        global_grad_norm,
         is_matrix_wrapped,
         set_requires_gradient_sync,
     )
