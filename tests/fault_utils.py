@@ -11,6 +11,7 @@ import json
 import logging
 import multiprocessing as mp
 import os
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -40,6 +41,8 @@ def _rank_entry(rank: int, world: int, port: int, env: dict[str, str], log_dir: 
     log = os.open(os.path.join(log_dir, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     os.dup2(log, 1)
     os.dup2(log, 2)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 (pytest swapped them)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
     root = logging.getLogger()
     for handler in list(root.handlers):  # pytest's capture handlers were inherited by the fork
         root.removeHandler(handler)

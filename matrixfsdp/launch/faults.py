@@ -60,6 +60,9 @@ logger = logging.getLogger(__name__)
 
 FAULTS_ENV = "MATRIXFSDP_FAULTS"  # tests: "attempt:rank:step,..." -> that rank SIGKILLs itself
 SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+# Words in gloo/NCCL errors raised when a peer died or stopped answering.
+_PEER_LOST = ("timeout", "timed out", "connection", "closed", "reset by peer", "broken pipe",
+              "nccl", "gloo")
 
 
 class StartMode(enum.Enum):
@@ -168,9 +171,8 @@ def exit_on_failure(timeout_s: float) -> Iterator[None]:
         raise
     except BaseException as exc:
         rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
-        peer = isinstance(exc, (RuntimeError, dist.DistError)) and any(
-            s in str(exc) for s in ("Timed out", "timed out", "Connection", "closed by peer",
-                                    "reset by peer", "Broken pipe", "NCCL"))
+        text = str(exc).lower()
+        peer = isinstance(exc, (RuntimeError, dist.DistError)) and any(s in text for s in _PEER_LOST)
         cause = ("lost its peers (a rank died or hangs; collectives time out after "
                  f"collective_timeout_s={timeout_s:g} s)") if peer else "failed"
         logger.error("rank %d %s: %s: %s. Exiting; under torchrun --max-restarts the workers "
