@@ -124,6 +124,37 @@ def test_torchrun_restarts_resume_exactly(reference: Path, tmp_path: Path,
         assert torch.equal(got[fqn], want[fqn]), f"{fqn} differs from the uninterrupted run"
 
 
+_RDZV_WORKER = """
+import os, signal, torch, torch.distributed as dist
+from matrixfsdp.launch.faults import init_process_group, restart_count
+init_process_group("gloo", 60)
+t = torch.ones(1)
+dist.all_reduce(t)
+if dist.get_rank() == 1 and restart_count() < 2:
+    os.kill(os.getpid(), signal.SIGKILL)
+print(f"rank {dist.get_rank()} attempt {restart_count()} sum {int(t.item())}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_torchrun_sharing_its_store_restarts_cleanly(tmp_path: Path) -> None:
+    """A plain ``torchrun`` (agent store shared with the workers): every restart rendezvouses.
+
+    Without per-attempt keys, restarted gloo workers read the dead generation's addresses and
+    fail with ``connectFullMesh ... Connection refused`` (seen in 3 of 3 trials).
+    """
+    script = tmp_path / "worker.py"
+    script.write_text(_RDZV_WORKER)
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--max-restarts", "2", "--standalone", str(script)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    assert sorted(proc.stdout.split("\n"))[-2:] == ["rank 0 attempt 2 sum 2", "rank 1 attempt 2 sum 2"]
+    assert "connectFullMesh" not in proc.stderr
+
+
 # -- elastic world size -----------------------------------------------------------------------------
 def test_resume_at_another_world_size(reference: Path, tmp_path: Path) -> None:
     """3 ranks die at step 10; 2 ranks resume from step 8 and track the 2-rank reference."""
