@@ -307,8 +307,9 @@ def main(argv: list[str] | None = None) -> None:
                         format="%(asctime)s %(name)s: %(message)s")
     with faults.exit_on_failure(cfg.collective_timeout_s):
         train(cfg, resume=args.resume, overwrite=args.overwrite)
-    if dist.is_initialized():
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    faults.exit_now(0)
 
 
 if __name__ == "__main__":
