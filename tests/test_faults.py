@@ -26,6 +26,7 @@ from .fault_utils import TINY_TRAIN, metric_steps, read_metrics, start_world, tr
 from .models import TinyTransformer
 
 STEPS = 12  # checkpoints every 4 steps (TINY_TRAIN)
+NAN = {"MATRIXFSDP_NAN_GRAD": "1:2"}  # every run: rank 1's gradient of step 3 holds a NaN
 
 
 def _logs(log_dir: Path) -> str:
@@ -50,9 +51,14 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An uninterrupted 12-step run on 2 ranks."""
+    """An uninterrupted 12-step run on 2 ranks; step 3 is skipped (a NaN gradient on rank 1)."""
     root = tmp_path_factory.mktemp("reference")
-    _run_world(2, ["--out", str(root / "run"), "--steps", str(STEPS), *TINY_TRAIN], root / "logs")
+    _run_world(2, ["--out", str(root / "run"), "--steps", str(STEPS), *TINY_TRAIN], root / "logs",
+               env=NAN)
+    rows = read_metrics(root / "run")
+    assert [r["skipped"] for r in rows] == [s == 3 for s in range(1, STEPS + 1)]
+    assert [r["skipped_steps"] for r in rows] == [int(s >= 3) for s in range(1, STEPS + 1)]
+    assert "skipped an optimizer step" in _logs(root / "logs")
     return root / "run"
 
 
@@ -92,7 +98,7 @@ def test_torchrun_restarts_resume_exactly(reference: Path, tmp_path: Path,
     argv = ["train", "--nproc", "2", "--steps", str(STEPS), "--out", str(run), *TINY_TRAIN]
     assert cli.main(argv) == 2  # checkpoints there, neither --resume nor --overwrite
     assert "--resume" in capsys.readouterr().err
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MATRIXFSDP_FAULTS": "0:1:6,1:0:10"}
+    env = {**os.environ, **NAN, "OMP_NUM_THREADS": "1", "MATRIXFSDP_FAULTS": "0:1:6,1:0:10"}
     watcher = _CheckpointWatcher(run / "checkpoints")
     log = tmp_path / "torchrun.log"
     with log.open("w") as sink:
@@ -114,7 +120,8 @@ def test_torchrun_restarts_resume_exactly(reference: Path, tmp_path: Path,
     assert watcher.rewritten == [] and sorted(watcher.inodes) == [
         f"step_{s:08d}" for s in (4, 8, 12)]
     assert metric_steps(run) == list(range(1, STEPS + 1))
-    assert [r["loss"] for r in read_metrics(run)] == [r["loss"] for r in read_metrics(reference)]
+    for key in ("loss", "skipped_steps"):  # the skipped-step count comes back from checkpoints
+        assert [r[key] for r in read_metrics(run)] == [r[key] for r in read_metrics(reference)]
     (moved,) = tmp_path.glob("run.old-*")  # --overwrite moved the old run aside, intact
     assert metric_steps(moved) == list(range(1, STEPS + 1))
     final = f"checkpoints/step_{STEPS:08d}"
@@ -160,7 +167,7 @@ def test_resume_at_another_world_size(reference: Path, tmp_path: Path) -> None:
     """3 ranks die at step 10; 2 ranks resume from step 8 and track the 2-rank reference."""
     out = tmp_path / "run"
     argv = ["--out", str(out), "--steps", str(STEPS), *TINY_TRAIN]
-    _run_world(3, argv, tmp_path / "w3", codes=[17] * 3, env={"MATRIXFSDP_FAIL_AT_STEP": "10"})
+    _run_world(3, argv, tmp_path / "w3", codes=[17] * 3, env={**NAN, "MATRIXFSDP_FAIL_AT_STEP": "10"})
     assert mf.checkpoint.read_layout(out / "checkpoints/step_00000008").world_size == 3
     _run_world(2, [*argv, "--resume"], tmp_path / "w2")
     assert "at step 8 (world size 2)" in _logs(tmp_path / "w2")
@@ -169,6 +176,7 @@ def test_resume_at_another_world_size(reference: Path, tmp_path: Path) -> None:
     # The same global batches at any world size: only fp32 reduction order differs (measured:
     # losses within 1.3e-7 relative, weights 5.6e-6 after 12 steps).
     for got, want in zip(read_metrics(out), read_metrics(reference), strict=True):
+        assert got["skipped_steps"] == want["skipped_steps"]
         assert abs(got["loss"] - want["loss"]) <= 1e-6 * abs(want["loss"]), (got, want)
     final = f"checkpoints/step_{STEPS:08d}"
     got, want = _weights(out / final, tmp_path), _weights(reference / final, tmp_path)

@@ -52,6 +52,7 @@ __all__ = [
     "exit_on_failure",
     "init_process_group",
     "inject_fault",
+    "inject_nan_grad",
     "move_aside",
     "resolve_start",
     "restart_count",
@@ -60,6 +61,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 FAULTS_ENV = "MATRIXFSDP_FAULTS"  # tests: "attempt:rank:step,..." -> that rank SIGKILLs itself
+NAN_GRAD_ENV = "MATRIXFSDP_NAN_GRAD"  # tests: "rank:step,..." -> a NaN in that rank's gradient
 SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 # Words in gloo/NCCL errors raised when a peer died or stopped answering.
 _PEER_LOST = ("timeout", "timed out", "connection", "closed", "reset by peer", "broken pipe",
@@ -161,6 +163,20 @@ def inject_fault(step: int, rank: int) -> None:
             logging.shutdown()
             sys.stderr.flush()
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+def inject_nan_grad(step: int, rank: int, params: Iterator[torch.nn.Parameter]) -> None:
+    """Tests: put a NaN into this rank's first non-empty local gradient if ``MATRIXFSDP_NAN_GRAD``
+    names ``rank:step``."""
+    spec = os.environ.get(NAN_GRAD_ENV)
+    if not spec or (rank, step) not in {tuple(int(x) for x in i.split(":")) for i in spec.split(",")}:
+        return
+    for p in params:
+        grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+        if grad is not None and grad.numel():
+            grad.view(-1)[0] = float("nan")
+            logger.warning("fault injection: NaN in a gradient on rank %d at step %d", rank, step)
+            return
 
 
 @contextlib.contextmanager

@@ -160,6 +160,7 @@ def _train_step(ctx: RunContext, step: int) -> dict[str, Any]:
     _sync(ctx.device)
     t1 = time.perf_counter()
     loss.backward()
+    faults.inject_nan_grad(step, ctx.rank, ctx.model.parameters())
     _sync(ctx.device)
     t2 = time.perf_counter()
     grad_norm = mf.clip_grad_norm_(ctx.model, cfg.grad_clip) if cfg.grad_clip else None
