@@ -14,11 +14,18 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from .collectives import Phase, TorchOwnerComm, comm_phase
+from .collectives import OwnerComm, Phase, TorchOwnerComm, comm_phase
 from .nonfinite import record_global_norm
 from .planner import Plan, make_plan
 from .runtime import MatrixFSDPState, MatrixGroup, MatrixParam
-from .runtime.selection import MatrixFilter, ParamSite, default_groups, param_specs, select_params
+from .runtime.selection import (
+    MatrixFilter,
+    ParamSite,
+    default_groups,
+    param_specs,
+    report_selection,
+    select_params,
+)
 
 __all__ = [
     "clip_grad_norm_",
@@ -44,7 +51,7 @@ def fully_shard_matrix(
     reshard_after_forward: bool = True,
     mp_policy: MixedPrecisionPolicy | None = None,
     planner: object = None,
-    collectives: Literal["auto", "alltoall", "p2p"] = "auto",
+    collectives: Literal["auto", "alltoall", "p2p", "nvshmem"] = "auto",
 ) -> nn.Module:
     """Shard ``model`` owner-style: each selected matrix whole on one rank, the tail in FSDP2.
 
@@ -54,8 +61,12 @@ def fully_shard_matrix(
             device type of the model's parameters (CPU parameters mean a gloo CPU mesh).
         groups: communication units (one gather and one reduction each); ``None`` means every
             child of each outermost ``nn.ModuleList`` (the blocks), then the root.
-        matrix_filter: ``(fqn, param) -> bool`` choosing the matrices; ``None`` selects the 2-D
-            weights of ``nn.Linear`` modules inside a non-root group.
+        matrix_filter: ``(fqn, param) -> bool`` choosing the matrices; ``None`` applies the
+            default rule (see [Note: default matrix selection] in ``runtime/selection.py``): every
+            parameter of 2+ dims inside a group other than the root (``nn.Linear``, Hugging Face
+            ``Conv1D``, 3-D expert stacks, routers), except embeddings (and weights tied to
+            them), biases and conv kernels. Where a filter disagrees with the rule, the log names
+            the weights and ``get_plan(model).notes`` says why.
         reshard_after_forward: free non-owned matrices after forward (regather in backward).
         mp_policy: FSDP2 ``MixedPrecisionPolicy``; matrices compute in ``param_dtype`` and reduce
             in ``reduce_dtype`` (default: the parameter's own dtype), owners keep the master.
@@ -64,7 +75,10 @@ def fully_shard_matrix(
         collectives: how owner segments move: one uneven all-to-all per group (``"alltoall"``),
             one broadcast / reduce per owner segment (``"p2p"``), or ``"auto"``: per group,
             all-to-all while its owners cover about half the ranks or more, else p2p (see
-            ``TorchOwnerComm``).
+            ``TorchOwnerComm``). ``"nvshmem"``: one-sided put-with-signal transfers through
+            nvshmem4py (``pip install 'matrixfsdp[nvshmem]'``; CUDA, ranks on one host); where
+            it cannot run, one warning names the reason and the ``"auto"`` path is used
+            (``"auto"`` never picks NVSHMEM by itself).
 
     Returns the same module, changed in place.
     """
@@ -72,18 +86,26 @@ def fully_shard_matrix(
     mesh = _resolve_mesh(model, mesh)
     group_modules = _resolve_groups(model, groups)
     sites = select_params(model, group_modules, matrix_filter, mesh.device_type)
+    selection_notes = report_selection(sites, filtered=matrix_filter is not None)
     plan = make_plan(param_specs(sites), mesh.size(), planner)
-    if collectives not in ("auto", "alltoall", "p2p"):
+    for fqn, note in plan.notes.items():
+        logger.warning("matrixfsdp: %s: %s", fqn, note)
+    if selection_notes:
+        plan = plan.model_copy(update={"notes": {**selection_notes, **plan.notes}})
+    if collectives not in ("auto", "alltoall", "p2p", "nvshmem"):
         raise ValueError(
-            f"collectives must be 'auto', 'alltoall' or 'p2p', got {collectives!r}"
+            f"collectives must be 'auto', 'alltoall', 'p2p' or 'nvshmem', got {collectives!r}"
         )
-    comm = TorchOwnerComm(
+    torch_impl = "auto" if collectives == "nvshmem" else collectives
+    comm: OwnerComm = TorchOwnerComm(
         mesh.get_group(),
-        gather_impl="broadcast" if collectives == "p2p" else collectives,
-        reduce_impl="reduce" if collectives == "p2p" else collectives,
+        gather_impl="broadcast" if torch_impl == "p2p" else torch_impl,
+        reduce_impl="reduce" if torch_impl == "p2p" else torch_impl,
     )
     _check_plan_agrees(plan, comm.group)
     matrix_groups = _build_groups(model, group_modules, sites, plan, comm, mp_policy)
+    if collectives == "nvshmem":
+        comm = _nvshmem_comm(comm, matrix_groups, mesh)
     ignored = {t for g in matrix_groups for p in g.params for t in (p.sharded, p.unsharded)}
     _apply_fully_shard(model, group_modules, ignored, mesh, reshard_after_forward, mp_policy)
     state = MatrixFSDPState(
@@ -96,14 +118,20 @@ def fully_shard_matrix(
     )
     state.register_hooks()
     model.__dict__[_STATE_ATTR] = state
-    for fqn, note in plan.notes.items():
-        logger.warning("matrixfsdp: %s: %s", fqn, note)
+    _log_summary(plan, len(matrix_groups))
+    return model
+
+
+def _log_summary(plan: Plan, num_groups: int) -> None:
+    """One INFO line: what goes to owners, what stays in the tail, and the plan's balance."""
+    selection = plan.selection()
     logger.info(
-        "matrixfsdp: %d matrices in %d groups over %d ranks (plan %s, max/mean %.3f)",
-        len(plan.matrices), len(matrix_groups), plan.world_size, plan.plan_hash()[:12],
+        "matrixfsdp: %d matrices and %d expert stacks (%d as expert slices) go to owners, "
+        "%d tensors stay in the tail; %d groups over %d ranks (plan %s, max/mean bytes %.3f)",
+        len(selection.matrices), len(selection.stacks), len(plan.sharded_stacks),
+        len(selection.tail), num_groups, plan.world_size, plan.plan_hash()[:12],
         plan.imbalance("bytes"),
     )
-    return model
 
 
 def get_state(model: nn.Module) -> MatrixFSDPState:
@@ -121,7 +149,11 @@ def is_matrix_wrapped(model: nn.Module) -> bool:
 
 
 def get_plan(model: nn.Module) -> Plan:
-    """The owner plan the model was wrapped with (a pydantic ``Plan``)."""
+    """The owner plan the model was wrapped with (a pydantic ``Plan``).
+
+    ``get_plan(model).selection()`` lists the FQNs of the owner matrices, the 3-D expert stacks
+    and the tail; ``.notes`` says why a parameter's role differs from the default rule.
+    """
     return get_state(model).plan
 
 
@@ -305,6 +337,19 @@ def _build_groups(
             )
         groups.append(MatrixGroup(name, module_of_group[name], params, comm, reduce_dtype=reduce_dtype))
     return groups
+
+
+def _nvshmem_comm(comm: OwnerComm, groups: Sequence[MatrixGroup], mesh: DeviceMesh) -> OwnerComm:
+    """The NVSHMEM communicator for ``groups`` (sized from their segments), else ``comm``."""
+    from .collectives.nvshmem_backend import make_nvshmem_comm
+
+    device = torch.device(mesh.device_type)
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    chosen = make_nvshmem_comm(comm, groups, device)
+    for group in groups:
+        group.comm = chosen
+    return chosen
 
 
 def _fqn_of(model: nn.Module, module: nn.Module) -> str:

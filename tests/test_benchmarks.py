@@ -102,3 +102,19 @@ def test_gpu_script_skips_without_cuda(capsys: pytest.CaptureFixture[str]) -> No
 
     assert main([]) == 0
     assert "no CUDA device" in capsys.readouterr().out
+
+
+def test_gpu_script_runs_every_section_on_cpu(tmp_path: Path) -> None:
+    """``--device cpu --tiny``: the GPU script's own code, at toy sizes, so a GPU run cannot fail
+    on a Python bug; every section must produce its rows and pass its checks."""
+    from benchmarks.gpu import main
+
+    out = tmp_path / "gpu.md"
+    assert main(["--device", "cpu", "--tiny", "--out", str(out)]) == 0
+    text = out.read_text()
+    for label in ("Newton–Schulz", "Scaled CANS, fp16", "QR refresh", "eigh, fp32",
+                  "runtime, world 1, gloo", "reload bitwise: yes", "put_signal loopback",
+                  "bytes equal: yes", "equal to NCCL path: yes", "offload_state='cpu'",
+                  "bitwise equal to on-device: yes"):
+        assert label in text, label
+    assert "FAILED" not in text

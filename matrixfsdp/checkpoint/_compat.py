@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..planner import Plan
 from .errors import CheckpointMismatchError
 from .layout import CheckpointLayout, TensorEntry
 
@@ -86,8 +87,20 @@ def check_model(
     return common
 
 
+def _orientation_problems(layout: CheckpointLayout, plan: Plan) -> list[str]:
+    """Matrix optimizer state is stored in the (out, in) orientation of the plan that saved it."""
+    saved = {p.fqn: p.orientation for p in layout.plan.params if p.role != "tail"}
+    turned = [f"{p.fqn!r} ({saved[p.fqn]} -> {p.orientation})" for p in plan.params
+              if p.role != "tail" and p.fqn in saved and saved[p.fqn] != p.orientation]
+    if not turned:
+        return []
+    return [f"matrix orientation changed since the save: {', '.join(turned)}; their optimizer "
+            "state is stored in the saved orientation"]
+
+
 def check_optimizer(
-    path: Path, layout: CheckpointLayout, optimizer: torch.optim.Optimizer, model: nn.Module
+    path: Path, layout: CheckpointLayout, optimizer: torch.optim.Optimizer, model: nn.Module,
+    plan: Plan | None = None,
 ) -> None:
     """Raise ``CheckpointMismatchError`` unless the optimizer matches the saved one."""
     saved = layout.optimizer
@@ -114,12 +127,18 @@ def check_optimizer(
                 f"{label}: the checkpoint's optimizer is {old.optimizer!r}, this one is "
                 f"{current_name!r}, for parameters {names(fqns)}"
             )
+        saved_split, split = old.hyperparams.get("split", {}), group.get("split", {})
+        if old.kind == "matrix" and saved_split != split:
+            problems.append(f"{label}: the checkpoint's state was stepped with split={saved_split}, "
+                            f"this optimizer uses split={split}")
         only_saved, only_now = set(old.params) - set(fqns), set(fqns) - set(old.params)
         if only_saved or only_now:
             problems.append(
                 f"{label}: parameters only in the checkpoint {names(only_saved)}, only in this "
                 f"optimizer {names(only_now)}"
             )
+    if plan is not None and any(g.kind == "matrix" for g in saved.groups):
+        problems += _orientation_problems(layout, plan)
     if problems:
         raise CheckpointMismatchError(
             f"cannot load the optimizer state of {path}:\n - " + "\n - ".join(problems)

@@ -252,7 +252,7 @@ def load(
     fqns = check_model(path, layout, current, weights_only=weights_only, strict=strict)
     use_optimizer = optimizer is not None and not weights_only
     if use_optimizer:
-        check_optimizer(path, layout, optimizer, model)
+        check_optimizer(path, layout, optimizer, model, plan=runtime.plan)
     targets = sd.model_targets(model, runtime, fqns)
     routes: dict[int, dict[str, str]] = {}
     if use_optimizer:

@@ -27,7 +27,9 @@ from torch.profiler import record_function
 from ..api import get_state, global_grad_norm
 from ..collectives import Phase, comm_phase
 from ..nonfinite import discard_global_norm, take_global_norm
-from .owner_step import OwnedMatrix, batch_owned, init_owned_state, local, step_owned
+from .layouts import MatrixLayout, SplitSpec, resolve_split
+from .offload import StatePlacement, make_state_placement
+from .owner_step import OwnedMatrix, batch_owned, init_owned_state, local, owned_blocks, step_owned
 from .registry import MatrixOptimizerSpec, get_matrix_optimizer
 
 __all__ = ["MatrixOptimizer", "state_bytes"]
@@ -52,6 +54,15 @@ class MatrixOptimizer(torch.optim.Optimizer):
             batched eigh instead of B small calls; the result equals the unbatched step up to
             rounding). ``None`` (default) batches on CUDA, where it saves kernel launches, and
             not on CPU, where stacking measured slower (Muon 136 vs 111 ms) and costs memory.
+        split: step fused matrices as separate blocks (see [Note: matrix views]): a mapping
+            from a matrix FQN or ``fnmatch`` pattern to a number of equal blocks or to the block
+            sizes along the output dim of its ``(out, in)`` matrix (e.g. ``{"*.attn.c_attn.weight":
+            3}`` for GPT-2's q|k|v, ``{"*.experts.gate_up_proj": 2}`` for gate|up), or a callable
+            ``(fqn, out_in_shape) -> sizes | int | None``. ``None`` (default): no split.
+        offload_state: ``"cpu"`` keeps owned matrices' optimizer state in host memory (pinned on
+            CUDA), staged onto the device two matrices at a time while stepping, with the next
+            matrix's copy-in overlapping the current one's math (see [Note: optimizer state
+            offload]); results equal on-device state bit for bit. ``None`` (default): on device.
         skip_nonfinite: skip a step whose global gradient norm is inf or NaN, on every rank
             alike: parameters and optimizer state stay unchanged, gradients are cleared, and
             ``skipped_steps`` / ``last_step_skipped`` record it. The decision reuses the norm of
@@ -73,6 +84,8 @@ class MatrixOptimizer(torch.optim.Optimizer):
         *,
         tail_optimizer_kwargs: Mapping[str, Any] | None = None,
         batch_same_shape: bool | None = None,
+        split: SplitSpec | None = None,
+        offload_state: str | None = None,
         skip_nonfinite: bool = False,
         **optimizer_kwargs: Any,
     ) -> None:
@@ -84,11 +97,25 @@ class MatrixOptimizer(torch.optim.Optimizer):
         named = dict(model.named_parameters())
         matrices = [mp.sharded for mp in runtime.params.values()]
         matrices += [named[p.fqn] for p in runtime.plan.sharded_stacks]
+        fqns = [*runtime.params, *(p.fqn for p in runtime.plan.sharded_stacks)]
+        orientation = {p.fqn: p.orientation for p in runtime.plan.params}
+        self._orientation = {id(p): orientation[f] for p, f in zip(matrices, fqns, strict=True)}
+        self._fqn_of = {id(p): f for p, f in zip(matrices, fqns, strict=True)}
+        if not matrices:
+            logger.warning(
+                "matrixfsdp: MatrixOptimizer(%r) got zero matrices: the plan selected none, so the "
+                "tail optimizer steps every parameter; check fully_shard_matrix's matrix_filter "
+                "(get_plan(model).selection() lists the tail)", optimizer,
+            )
         matrix_ids = {id(p) for p in matrices}
         tail = [p for p in model.parameters() if id(p) not in matrix_ids]
         self._spec, self._matrix_cls, matrix_group = _matrix_group(
             optimizer, matrices, lr, weight_decay, optimizer_kwargs
         )
+        matrix_group["split"] = resolve_split(split, runtime.plan, fqns)
+        if self._matrix_cls is not None:
+            _check_torch_class(self._matrix_cls, matrix_group["split"],
+                               [f for f in fqns if orientation[f] != "out_in"])
         if self._matrix_cls is not None and runtime.plan.sharded_stacks:
             raise NotImplementedError(
                 f"a torch.optim class cannot step the expert slices of sharded stacks "
@@ -105,8 +132,11 @@ class MatrixOptimizer(torch.optim.Optimizer):
         super().__init__(groups, {})
         self._matrix_inner: torch.optim.Optimizer | None = None
         self._config_cache: tuple[tuple, Any] | None = None
+        self._layout_cache: tuple[tuple, dict[int, MatrixLayout]] | None = None
+        self._placement = _placement(offload_state, matrices, runtime.plan.sharded_stacks,
+                                     self._matrix_cls, batch_same_shape)
         if batch_same_shape is None:
-            batch_same_shape = any(p.is_cuda for p in matrices)
+            batch_same_shape = any(p.is_cuda for p in matrices) and not self._placement.offloaded
         self.batch_same_shape = bool(batch_same_shape)
         self.skip_nonfinite = bool(skip_nonfinite)
         self.skipped_steps = 0  # steps skipped for a non-finite gradient norm (this process)
@@ -181,23 +211,38 @@ class MatrixOptimizer(torch.optim.Optimizer):
         config = self._config(group, spec)
         hyper = {"lr": group["lr"], "weight_decay": group["weight_decay"],
                  "initial_lr": group["initial_lr"], "config": config}
-        for batch in batch_owned(self._owned_items(owned, spec, config), self.batch_same_shape):
+        layouts = self._layouts(group)
+        items = self._owned_items(owned, spec, config, layouts)
+        for batch in self._placement.staged(batch_owned(items, self.batch_same_shape)):
             step_owned(spec, batch, hyper)
 
     def _owned_items(
-        self, owned: list[nn.Parameter], spec: MatrixOptimizerSpec, config: Any
+        self, owned: list[nn.Parameter], spec: MatrixOptimizerSpec, config: Any,
+        layouts: dict[int, MatrixLayout],
     ) -> list[OwnedMatrix]:
         items = []
         for p in owned:
             state = self.state[p]
             if not state:
-                state.update(init_owned_state(p, spec, config))
+                state.update(init_owned_state(p, spec, config, layouts[id(p)]))
+            self._placement.adopt(state)
             state["step"] += 1
             if local(p).numel() == 0:
                 continue  # a rank with no experts of this stack: nothing to compute
-            tensors = {k: local(v) for k, v in state.items() if k != "step"}
-            items.append(OwnedMatrix(local(p), local(p.grad), tensors, int(state["step"].item())))
+            items += owned_blocks(p, state, layouts[id(p)])
         return items
+
+    def _layouts(self, group: dict[str, Any]) -> dict[int, MatrixLayout]:
+        """Each matrix's orientation (from the plan) and blocks (from the group's ``split``)."""
+        split = group.get("split") or {}
+        key = tuple(sorted((k, tuple(v)) for k, v in split.items()))
+        if self._layout_cache is None or self._layout_cache[0] != key:
+            layouts = {
+                pid: MatrixLayout(self._orientation[pid], tuple(split.get(fqn, ())))
+                for pid, fqn in self._fqn_of.items()
+            }
+            self._layout_cache = (key, layouts)
+        return self._layout_cache[1]
 
     def _step_with_torch_class(self, group: dict[str, Any]) -> None:
         cls = self._matrix_cls
@@ -273,6 +318,54 @@ def _matrix_group(
         dataclasses.asdict(config) if dataclasses.is_dataclass(config) else dict(kwargs)
     )
     return spec, None, group
+
+
+def _check_torch_class(
+    cls: type[torch.optim.Optimizer], split: Mapping[str, Any], stored: list[str]
+) -> None:
+    """A torch.optim class steps stored tensors as they are: no blocks, stored orientation."""
+    if split:
+        raise NotImplementedError(
+            f"MatrixOptimizer(optimizer={cls.__name__}) cannot split {sorted(split)}: a "
+            "torch.optim class steps whole stored tensors; use a registered optimizer name "
+            "(e.g. 'muon') or drop split"
+        )
+    if stored:
+        logger.warning(
+            "matrixfsdp: %s steps %d matrices in their stored orientation, not (out, in): %s; "
+            "its shape rules (e.g. Muon's learning-rate scale) see the transpose. Use "
+            "optimizer='muon' (or another registered name) for the (out, in) orientation",
+            cls.__name__, len(stored), stored[:8],
+        )
+
+
+def _placement(
+    offload_state: str | None,
+    matrices: list[nn.Parameter],
+    stacks: list[Any],
+    matrix_cls: type | None,
+    batch_same_shape: bool | None,
+) -> StatePlacement:
+    if offload_state not in (None, "cpu"):
+        raise ValueError(f"MatrixOptimizer.offload_state must be None or 'cpu', got {offload_state!r}")
+    if offload_state is not None:
+        if matrix_cls is not None:
+            raise NotImplementedError(
+                f"offload_state={offload_state!r} needs a registered step function; a "
+                f"torch.optim class ({matrix_cls.__name__}) keeps its own state on the device"
+            )
+        if stacks:
+            raise NotImplementedError(
+                f"offload_state={offload_state!r} does not cover the expert state of sharded "
+                f"stacks {[p.fqn for p in stacks]}; wrap with planner=LPTPlanner(stacks='whole')"
+            )
+        if batch_same_shape:
+            raise ValueError(
+                f"offload_state={offload_state!r} stages one matrix at a time; pass "
+                "batch_same_shape=False (or leave it None)"
+            )
+    device = matrices[0].device if matrices else torch.device("cpu")
+    return make_state_placement(offload_state, device)
 
 
 def _tail_inner(

@@ -2,8 +2,9 @@
 
 A rank owns (a) whole matrices placed on it by the plan and (b) the local experts of sharded
 stacks (FSDP2 ``Shard(0)`` of an ``(E, m, n)`` stack holds whole experts; see
-[Note: plan vocabulary]). Both are stepped from their local tensors; sharded-stack state is kept
-as ``Shard(0)`` DTensors so checkpoints reshard it like any FSDP2 state.
+[Note: plan vocabulary]). Both are stepped from their local tensors, through their canonical
+``(out, in)`` views cut into blocks (see [Note: matrix views]); sharded-stack state is kept as
+``Shard(0)`` DTensors so checkpoints reshard it like any FSDP2 state.
 """
 
 from __future__ import annotations
@@ -15,9 +16,14 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from .layouts import MatrixLayout, block_state_key, block_views
 from .registry import MatrixOptimizerSpec
 
-__all__ = ["OwnedMatrix", "batch_owned", "init_owned_state", "local", "step_owned"]
+__all__ = [
+    "OwnedMatrix", "batch_owned", "init_owned_state", "local", "owned_blocks", "step_owned",
+]
+
+_WHOLE = MatrixLayout()
 
 
 class OwnedMatrix(NamedTuple):
@@ -33,9 +39,18 @@ def local(t: Tensor) -> Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def init_owned_state(p: Tensor, spec: MatrixOptimizerSpec, config: Any) -> dict[str, Tensor]:
-    """Fresh state for ``p`` (plus a float32 ``step``), as DTensors for a sharded stack."""
-    tensors = spec.init_state_fn(local(p), config)
+def init_owned_state(
+    p: Tensor, spec: MatrixOptimizerSpec, config: Any, layout: MatrixLayout = _WHOLE
+) -> dict[str, Tensor]:
+    """Fresh state for ``p`` (plus a float32 ``step``), as DTensors for a sharded stack.
+
+    One set of state per block of the canonical view, in that orientation, contiguous.
+    """
+    blocks = block_views(local(p), layout)
+    tensors = {}
+    for index, block in enumerate(blocks):
+        for key, value in spec.init_state_fn(block, config).items():
+            tensors[block_state_key(key, index, len(blocks))] = value.contiguous()
     if isinstance(p, DTensor):
         tensors = {k: _as_stack_dtensor(v, p) for k, v in tensors.items()}
     tensors["step"] = torch.zeros((), dtype=torch.float32)
@@ -49,6 +64,24 @@ def _as_stack_dtensor(t: Tensor, like: DTensor) -> DTensor:
         stride[i] = stride[i + 1] * shape[i + 1]
     return DTensor.from_local(t, like.device_mesh, like.placements, run_check=False,
                               shape=torch.Size(shape), stride=tuple(stride))
+
+
+def owned_blocks(p: Tensor, state: dict[str, Tensor], layout: MatrixLayout) -> list[OwnedMatrix]:
+    """The blocks of ``p`` to step: canonical views of parameter and gradient, with their state."""
+    params = block_views(local(p), layout)
+    assert p.grad is not None  # the caller steps parameters with gradients only
+    grads = block_views(local(p.grad), layout)
+    step = int(state["step"].item())
+    keys = [k for k in state if k != "step"]
+    if len(params) == 1:
+        return [OwnedMatrix(params[0], grads[0], {k: local(state[k]) for k in keys}, step)]
+    n = len(params)
+    first = block_state_key("", 0, n)  # the suffix of block 0's keys
+    base = [k.removesuffix(first) for k in keys if k.endswith(first)]
+    return [
+        OwnedMatrix(param, grad, {k: local(state[block_state_key(k, i, n)]) for k in base}, step)
+        for i, (param, grad) in enumerate(zip(params, grads, strict=True))
+    ]
 
 
 def batch_owned(items: Sequence[OwnedMatrix], same_shape: bool) -> list[list[OwnedMatrix]]:

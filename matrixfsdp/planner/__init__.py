@@ -4,7 +4,16 @@ from __future__ import annotations
 
 from .assign import LPTPlanner, make_plan
 from .costs import COST_MODELS, matrix_cost
-from .plan import PLAN_FORMAT_VERSION, ParamPlacement, ParamSpec, Plan, RankLoad, dtype_itemsize
+from .plan import (
+    PLAN_FORMAT_VERSION,
+    ParamPlacement,
+    ParamSpec,
+    Plan,
+    RankLoad,
+    Selection,
+    canonical_shape,
+    dtype_itemsize,
+)
 
 __all__ = [
     "COST_MODELS",
@@ -14,6 +23,8 @@ __all__ = [
     "ParamSpec",
     "Plan",
     "RankLoad",
+    "Selection",
+    "canonical_shape",
     "dtype_itemsize",
     "make_plan",
     "matrix_cost",

@@ -13,8 +13,6 @@ from .plan import ParamPlacement, ParamSpec, Plan
 __all__ = ["LPTPlanner", "make_plan"]
 
 
-
-
 @dataclass(frozen=True)
 class LPTPlanner:
     """Assign each matrix to the least-loaded rank, largest first (ties: FQN, then lowest rank).
@@ -59,7 +57,9 @@ class LPTPlanner:
         return f"lpt-{self.cost}"
 
     def item_cost(self, spec: ParamSpec) -> float:
-        return float(spec.nbytes) if self.cost == "bytes" else matrix_cost(spec.shape, self.cost)
+        if self.cost == "bytes":
+            return float(spec.nbytes)
+        return matrix_cost(spec.matrix_shape, self.cost)  # the (out, in) orientation
 
     def __call__(self, specs: Sequence[ParamSpec], world_size: int) -> Plan:
         if world_size < 1:
@@ -81,16 +81,17 @@ class LPTPlanner:
         for s in specs:
             if s.fqn in placed:
                 owner, cost = placed[s.fqn]
-                rows.append(ParamPlacement(*s, owner, cost) if owner is not None
-                            else ParamPlacement(*s._replace(role="tail")))
+                rows.append(ParamPlacement.of(s, owner, cost) if owner is not None
+                            else ParamPlacement.of(s, role="tail"))
             elif s.fqn in sliced:
-                rows.append(ParamPlacement(*s._replace(role="sharded_stack"), None, self.item_cost(s)))
+                rows.append(ParamPlacement.of(s, None, self.item_cost(s), role="sharded_stack"))
             else:
-                rows.append(ParamPlacement(*s))
+                rows.append(ParamPlacement.of(s))
         return Plan.trusted(world_size=world_size, planner=self.name, params=tuple(rows), notes=notes)
 
     def _slices(self, spec: ParamSpec, world_size: int) -> bool:
-        if len(spec.shape) != 3 or world_size == 1 or self.stacks == "whole":
+        if (len(spec.shape) != 3 or spec.orientation == "flatten" or world_size == 1
+                or self.stacks == "whole"):
             return False
         return self.stacks == "slices" or spec.shape[0] >= world_size
 

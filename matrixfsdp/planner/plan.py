@@ -13,6 +13,13 @@
   (``owner_rank is None``).
 - *group*: the FQN of the module whose forward gathers the matrix (a communication unit, like an
   FSDP2 param group); ``""`` is the root module.
+- *orientation*: how the stored tensor maps to the matrix an optimizer should see, the
+  ``(out, in)`` weight of the equivalent ``nn.Linear`` (per expert for a stack): ``"out_in"``
+  stores it as is; ``"in_out"`` stores its transpose in the last two dims (Hugging Face
+  ``Conv1D``, expert modules with ``is_transposed=True``); ``"flatten"`` is a convolution kernel
+  ``(out, in, *k)`` seen as ``(out, in·prod(k))``. ``matrix_shape`` is that canonical shape:
+  every shape-dependent rule (planner costs, Muon's learning-rate scale, Kronecker factor sides)
+  reads it, and matrix optimizer state is kept in it.
 - The plan is a pure function of (names, shapes, dtypes, roles, groups, world size, planner
   options): identical on every rank, across runs and after a restart. Checkpoints record it and
   resharding recomputes it, so nothing here may depend on process state.
@@ -33,6 +40,8 @@ __all__ = [
     "ParamSpec",
     "Plan",
     "RankLoad",
+    "Selection",
+    "canonical_shape",
     "dtype_itemsize",
     "stack_slices",
 ]
@@ -40,6 +49,8 @@ __all__ = [
 PLAN_FORMAT_VERSION = 1
 
 Role = Literal["matrix", "sharded_stack", "tail"]
+Orientation = Literal["out_in", "in_out", "flatten"]
+ORIENTATIONS: tuple[str, ...] = ("out_in", "in_out", "flatten")
 DType = Literal[
     "float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8",
     "bool", "float8_e4m3fn", "float8_e5m2",
@@ -59,6 +70,17 @@ def dtype_itemsize(dtype: str) -> int:
     return _ITEMSIZE[name]
 
 
+def canonical_shape(shape: tuple[int, ...], orientation: str) -> tuple[int, ...]:
+    """The ``(*, out, in)`` shape the optimizer sees (see [Note: plan vocabulary])."""
+    if orientation == "out_in" or len(shape) < 2:
+        return tuple(shape)
+    if orientation == "in_out":
+        return (*shape[:-2], shape[-1], shape[-2])
+    if orientation == "flatten":
+        return (shape[0], math.prod(shape[1:]))
+    raise ValueError(f"unknown orientation {orientation!r}; choose one of {ORIENTATIONS}")
+
+
 class ParamSpec(NamedTuple):
     """What the planner needs to know about one parameter (no tensors, no process group)."""
 
@@ -67,6 +89,7 @@ class ParamSpec(NamedTuple):
     dtype: DType = "float32"
     role: Role = "tail"
     group: str = ""
+    orientation: Orientation = "out_in"
 
     @property
     def numel(self) -> int:
@@ -75,6 +98,10 @@ class ParamSpec(NamedTuple):
     @property
     def nbytes(self) -> int:
         return self.numel * dtype_itemsize(self.dtype)
+
+    @property
+    def matrix_shape(self) -> tuple[int, ...]:
+        return canonical_shape(self.shape, self.orientation)
 
 
 class ParamPlacement(NamedTuple):
@@ -91,6 +118,14 @@ class ParamPlacement(NamedTuple):
     group: str = ""
     owner_rank: int | None = None
     cost: float = 0.0
+    orientation: Orientation = "out_in"  # last: rows of older plans (7 items) still validate
+
+    @classmethod
+    def of(cls, spec: ParamSpec, owner_rank: int | None = None, cost: float = 0.0,
+           role: Role | None = None) -> ParamPlacement:
+        """The row of ``spec`` (optionally with another role) placed on ``owner_rank``."""
+        return cls(spec.fqn, spec.shape, spec.dtype, role or spec.role, spec.group, owner_rank,
+                   cost, spec.orientation)
 
     @property
     def numel(self) -> int:
@@ -99,6 +134,18 @@ class ParamPlacement(NamedTuple):
     @property
     def nbytes(self) -> int:
         return self.numel * dtype_itemsize(self.dtype)
+
+    @property
+    def matrix_shape(self) -> tuple[int, ...]:
+        return canonical_shape(self.shape, self.orientation)
+
+
+class Selection(NamedTuple):
+    """FQNs of a plan by what steps them (``Plan.selection()``)."""
+
+    matrices: tuple[str, ...]  # 2-D (or flattened) matrices, each whole on its owner
+    stacks: tuple[str, ...]  # 3-D expert stacks (whole on one owner, or expert slices)
+    tail: tuple[str, ...]  # everything the tail optimizer steps
 
 
 class RankLoad(BaseModel):
@@ -121,7 +168,8 @@ class Plan(BaseModel):
     world_size: int = Field(ge=1)
     planner: str = "lpt-bytes"
     params: tuple[ParamPlacement, ...]
-    notes: dict[str, str] = Field(default_factory=dict)  # fqn -> why the planner changed its role
+    # fqn -> why its role differs from the default rule (a matrix_filter, a planner demotion)
+    notes: dict[str, str] = Field(default_factory=dict)
 
     @classmethod
     def trusted(cls, **fields: object) -> Plan:
@@ -146,8 +194,12 @@ class Plan(BaseModel):
                 )
             if p.role != "matrix" and p.owner_rank is not None:
                 raise ValueError(f"{p.role} parameter {p.fqn!r} must have owner_rank=None")
-            if p.role == "sharded_stack" and len(p.shape) != 3:
+            if p.role == "sharded_stack" and (len(p.shape) != 3 or p.orientation == "flatten"):
                 raise ValueError(f"sharded_stack {p.fqn!r} must be 3-D (E, m, n), got {p.shape}")
+            if p.orientation != "out_in" and len(p.shape) < (3 if p.orientation == "flatten" else 2):
+                raise ValueError(
+                    f"{p.fqn!r} of shape {p.shape} cannot have orientation {p.orientation!r}"
+                )
         return self
 
     # -- lookup ---------------------------------------------------------------------------------
@@ -170,6 +222,23 @@ class Plan(BaseModel):
     def tail(self) -> tuple[ParamPlacement, ...]:
         return tuple(p for p in self.params if p.role == "tail")
 
+    def selection(self) -> Selection:
+        """FQNs by what steps them: owner matrices (2-D), expert stacks (3-D), the tail.
+
+        ``stacks`` holds every 3-D stack stepped by the matrix optimizer, owned whole
+        (``role == "matrix"``) or as expert slices (``"sharded_stack"``); ``notes`` says why a
+        parameter's role differs from the default rule (a ``matrix_filter``, a planner demotion).
+        """
+        matrices, stacks, tail = [], [], []
+        for p in self.params:
+            if p.role == "tail":
+                tail.append(p.fqn)
+            elif p.role == "sharded_stack" or (len(p.shape) == 3 and p.orientation != "flatten"):
+                stacks.append(p.fqn)
+            else:
+                matrices.append(p.fqn)
+        return Selection(tuple(matrices), tuple(stacks), tuple(tail))
+
     def owned_by(self, rank: int) -> tuple[ParamPlacement, ...]:
         return tuple(p for p in self.matrices if p.owner_rank == rank)
 
@@ -186,8 +255,15 @@ class Plan(BaseModel):
         return cls.model_validate_json(text)
 
     def plan_hash(self) -> str:
-        """A stable SHA-256 over the canonical JSON (sorted keys, no whitespace)."""
-        canonical = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+        """A stable SHA-256 over the canonical JSON (sorted keys, no whitespace).
+
+        A row's trailing ``orientation`` is left out while it is the default ``"out_in"``, so
+        plans without transposed matrices hash as they did before the field existed (older
+        checkpoints' recorded hashes still verify).
+        """
+        data = self.model_dump(mode="json")
+        data["params"] = [row[:-1] if row[-1] == "out_in" else row for row in data["params"]]
+        canonical = json.dumps(data, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()
 
     # -- reports ----------------------------------------------------------------------------------
