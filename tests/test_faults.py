@@ -187,7 +187,7 @@ def test_resume_at_another_world_size(reference: Path, tmp_path: Path) -> None:
 # -- no hangs ---------------------------------------------------------------------------------------
 def test_survivors_of_a_hung_rank_exit_within_the_timeout(tmp_path: Path) -> None:
     """A rank frozen mid-run (SIGSTOP: its sockets stay open) stops its peers after the timeout."""
-    timeout = 3
+    timeout = 10  # shorter ones can fire on a heavily loaded machine before the freeze
     out = tmp_path / "run"
     argv = ["--out", str(out), "--steps", "400", *TINY_TRAIN,
             "--set", f"collective_timeout_s={timeout}", "--set", "checkpoint_every=1000"]

@@ -17,8 +17,10 @@
   can read the addresses of the dead one and fail with ``Gloo connectFullMesh failed ...
   Connection refused``. ``matrixfsdp train`` sets ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: each
   rendezvous round then gives the workers a new store on a new port. A worker launched by a
-  torchrun that still shares its store (a direct ``torchrun -m matrixfsdp.launch.train``) prefixes
-  the process group's keys with the restart count instead.
+  torchrun that still shares its store (a direct ``torchrun -m matrixfsdp.launch.train``, or the
+  static rendezvous of ``--master-addr/--master-port``) prefixes the process group's keys with the
+  restart count instead. Every agent of a job counts restarts alike, except a node that joins an
+  elastic job after failures: multi-node elastic jobs should set the variable (the CLI does).
 - *No hangs.* The process group is created with ``timeout=collective_timeout_s`` (default 300 s,
   not torch's 30 min for gloo): a rank whose peer died or hangs raises within that time (a dead
   peer's closed sockets usually fail it at once), logs which rank failed and why, and exits
@@ -41,6 +43,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 __all__ = [
     "FAULTS_ENV",
@@ -140,12 +143,13 @@ def agree_on_checkpoint(root: Path, rank: int, device: torch.device) -> Path | N
         found = latest(root)
         name = b"" if found is None else found.name.encode()
     length = torch.tensor([len(name)], dtype=torch.int64, device=device)
-    dist.broadcast(length, src=0)
-    data = torch.zeros(int(length.item()), dtype=torch.uint8, device=device)
-    if rank == 0 and name:
-        data.copy_(torch.frombuffer(bytearray(name), dtype=torch.uint8))
-    if data.numel():
-        dist.broadcast(data, src=0)
+    with record_function("matrixfsdp::agree_on_checkpoint"):
+        dist.broadcast(length, src=0)
+        data = torch.zeros(int(length.item()), dtype=torch.uint8, device=device)
+        if rank == 0 and name:
+            data.copy_(torch.frombuffer(bytearray(name), dtype=torch.uint8))
+        if data.numel():
+            dist.broadcast(data, src=0)
     return Path(root) / bytes(data.cpu().tolist()).decode() if data.numel() else None
 
 
@@ -228,7 +232,8 @@ def agree_on_start(out: Path, rank: int, device: torch.device, *, resume: bool,
             error = exc
     flag = torch.tensor([code], dtype=torch.int64, device=device)
     if dist.is_initialized():
-        dist.broadcast(flag, src=0)
+        with record_function("matrixfsdp::agree_on_start"):
+            dist.broadcast(flag, src=0)
     if error is not None:
         raise error
     if int(flag.item()) < 0:
