@@ -52,6 +52,8 @@ class TrainConfig(BaseModel):
     steps: int = Field(400, ge=1)
     global_batch: int = Field(16, ge=1)
     grad_clip: float | None = Field(1.0, gt=0)
+    skip_nonfinite: bool = True  # skip (on every rank) a step whose global grad norm is inf/NaN
+    collective_timeout_s: float = Field(300.0, gt=0)  # a rank whose peer died exits after this
     seed: int = 0
     eval_every: int = Field(50, ge=1)
     eval_batches: int = Field(4, ge=1)
