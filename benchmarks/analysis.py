@@ -10,7 +10,7 @@ import torch
 from .config import BenchConfig
 from .costmodel import fit_alpha_beta, predict_measured
 from .measure import Collective, summarize
-from .model import GPT
+from .model import build_gpt
 from .schedule import Setup, is_hsdp, per_rank_calls, per_rank_recv, resident_model, schedule
 from .strategies import owner_plan
 
@@ -75,7 +75,7 @@ def setup_for(cfg: BenchConfig, name: str) -> Setup:
     """The schedule's setup of strategy ``name`` (HSDP: the plan over the shard size)."""
     torch.manual_seed(cfg.seed)
     replicate = cfg.hsdp_replicate if is_hsdp(name) else 1
-    plan = owner_plan(GPT(cfg.model), cfg.world_size // replicate, cfg.optim.name)
+    plan = owner_plan(build_gpt(cfg.model), cfg.world_size // replicate, cfg.optim.name)
     return Setup(plan, cfg.optim.name, replicate=replicate)
 
 
@@ -114,7 +114,7 @@ def _references(cfg: BenchConfig, timing: list[dict[str, Any]]) -> tuple[dict[st
     out["per_matrix"] = {f: statistics.median(r["per_matrix"][f] for r in refs)
                          for f in refs[0]["per_matrix"]}
     torch.manual_seed(cfg.seed)
-    model = GPT(cfg.model)
+    model = build_gpt(cfg.model)
     out["params_all"] = sum(p.numel() for p in model.parameters())
     out["params_tail"] = out["params_all"] - sum(
         p.numel() for f, p in model.named_parameters() if f in out["per_matrix"])

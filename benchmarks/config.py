@@ -43,7 +43,7 @@ DEFAULT_LR: dict[str, float] = {"muon": 0.02, "okls": 0.01}
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A GPT-style decoder: learned positions, pre-norm blocks, untied LM head."""
+    """Shape of the benchmark model, the CLI's GPT (see benchmarks.model.build_gpt)."""
 
     dim: int = 256
     layers: int = 4

@@ -47,7 +47,7 @@ import matrixfsdp as mf
 from .config import ModelConfig
 from .launch import run_world
 from .measure import peak_rss_bytes, reset_peak_rss, rss_bytes, track_live_memory
-from .model import GPT, lm_loss
+from .model import build_gpt, lm_loss
 
 INITS = ("eager", "meta")
 LOADS = ("stream", "load_file", "in_memory")
@@ -60,7 +60,7 @@ def write_hf_dir(cfg: ModelConfig, path: Path, shards: int) -> int:
     from safetensors.torch import save_file
 
     torch.manual_seed(0)
-    state = {k: v.contiguous() for k, v in GPT(cfg).state_dict().items()}
+    state = {k: v.contiguous() for k, v in build_gpt(cfg).state_dict().items()}
     total = sum(v.nbytes for v in state.values())
     keys, weight_map, budget = list(state), {}, total / shards
     groups: list[list[str]] = [[]]
@@ -81,11 +81,11 @@ def write_hf_dir(cfg: ModelConfig, path: Path, shards: int) -> int:
 
 def _build(cfg: ModelConfig, init: str) -> torch.nn.Module:
     if init == "eager":
-        model = GPT(cfg)
+        model = build_gpt(cfg)
         mf.fully_shard_matrix(model)
         return model
     with torch.device("meta"):
-        model = GPT(cfg)
+        model = build_gpt(cfg)
     mf.fully_shard_matrix(model)
     model.to_empty(device="cpu")
     return model

@@ -63,11 +63,11 @@ def measure(size: str, world: int, args: argparse.Namespace) -> dict[str, Any]:
         _log(f"{size}, world {world}: {name}")
         out[name] = memory_figures(run_world(world, memory_worker, cfg, name))
     torch.manual_seed(0)
-    from .model import GPT
+    from .model import build_gpt
 
-    model = GPT(cfg.model)
+    model = build_gpt(cfg.model)
     matrices = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
-                   if n.startswith("blocks.") and p.ndim == 2)
+                   if n.startswith("layers.") and p.ndim == 2)
     return {"figures": out, "matrix_bytes": matrices, "model": dataclasses.asdict(cfg.model)}
 
 

@@ -26,7 +26,7 @@ from .analysis import aggregate_world
 from .config import MEMORY_BASELINES, STRATEGIES, BenchConfig, ModelConfig, OptimConfig
 from .costmodel import HSDP_MODELS, PROJECTED, project, project_hsdp
 from .launch import run_world
-from .model import GPT
+from .model import build_gpt
 from .report import render_markdown, write_json, write_png
 from .strategies import owner_plan, strategies_for
 from .worker import memory_worker, timing_worker
@@ -85,7 +85,7 @@ def _meta(argv: list[str], model_cfg: ModelConfig, cfg: BenchConfig) -> dict[str
     except OSError:
         commit = "unknown"
     torch.manual_seed(0)
-    model = GPT(model_cfg)
+    model = build_gpt(model_cfg)
     plan = owner_plan(model, 1, cfg.optim.name)
     return {
         "command": " ".join(["python -m benchmarks.run", *argv]),

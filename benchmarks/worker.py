@@ -25,7 +25,7 @@ from .measure import (
     time_collectives,
     track_live_memory,
 )
-from .model import GPT, global_tokens, lm_loss, local_tokens
+from .model import build_gpt, global_tokens, lm_loss, local_tokens
 from .strategies import Strategy, StrategyContext, build_strategy, owner_plan
 from .strategies.base import MatrixStepper
 
@@ -34,7 +34,7 @@ __all__ = ["Reference", "memory_worker", "reference_round", "timing_worker"]
 
 def _context(rank: int, world: int, cfg: BenchConfig) -> tuple[torch.nn.Module, StrategyContext]:
     torch.manual_seed(cfg.seed)
-    base = GPT(cfg.model)
+    base = build_gpt(cfg.model)
     mesh = init_device_mesh("cpu", (world,))
     return base, StrategyContext(cfg.optim, rank, world, mesh, owner_plan(base, world, cfg.optim.name),
                                  hsdp_replicate=cfg.hsdp_replicate)
@@ -124,7 +124,7 @@ def timing_worker(rank: int, world: int, cfg: BenchConfig) -> dict[str, Any]:
             counted[name]["library_by_dim"] = {d: counter.snapshot(d) for d in counter.by_dim}
     owned = [p.fqn for p in ctx.plan.owned_by(rank)]
     shard = world // cfg.hsdp_replicate if world % cfg.hsdp_replicate == 0 else world
-    hsdp_plan = owner_plan(GPT(cfg.model), shard, cfg.optim.name)  # shapes only
+    hsdp_plan = owner_plan(build_gpt(cfg.model), shard, cfg.optim.name)  # shapes only
     return {"rank": rank, "records": records, "counted": counted, "owned": owned,
             "owned_hsdp": [p.fqn for p in hsdp_plan.owned_by(rank % shard)],
             "hsdp_replicate": world // shard,

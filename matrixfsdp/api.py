@@ -23,6 +23,7 @@ from .collectives import (
     TorchReplicateComm,
     comm_phase,
 )
+from .nonfinite import record_global_norm
 from .planner import Plan, make_plan
 from .runtime import MatrixFSDPState, MatrixGroup, MatrixParam, in_backward
 from .runtime.mesh import DataParallelMesh, backend_device_type, init_hsdp_mesh, resolve_mesh
@@ -40,6 +41,7 @@ __all__ = [
     "fully_shard_matrix",
     "get_plan",
     "get_state",
+    "global_grad_norm",
     "init_hsdp_mesh",
     "is_matrix_wrapped",
     "quiesce",
@@ -224,6 +226,16 @@ def set_requires_all_reduce(model: nn.Module, requires_all_reduce: bool) -> None
 
 
 @torch.no_grad()
+def global_grad_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
+    """The norm of the whole model's gradient over all ranks (one scalar all-reduce).
+
+    Every rank gets the same value. See [Note: skipping non-finite steps] for its use.
+    """
+    state = get_state(model)
+    return _global_norm(state, list(_local_grads(model.parameters())), float(norm_type))
+
+
+@torch.no_grad()
 def clip_grad_norm_(
     model: nn.Module,
     max_norm: float,
@@ -236,13 +248,26 @@ def clip_grad_norm_(
     their owner, the tail in FSDP2 shards), so the global norm costs one scalar all-reduce over
     the shard group. Under HSDP every replica holds the same averaged gradients: the norm is one
     replica's, reduced inside the shard group only, and identical on every rank.
+    The norm is recorded for the next ``MatrixOptimizer.step(...)`` with
+    ``skip_nonfinite=True``, which then needs no collective of its own (see
+    [Note: skipping non-finite steps]).
     """
     if max_norm < 0:
         raise ValueError(f"max_norm must be non-negative, got {max_norm}")
     state = get_state(model)
     grads = list(_local_grads(model.parameters()))
+    total = _global_norm(state, grads, float(norm_type))
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(f"the total norm of order {norm_type} of gradients is non-finite")
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef.to(g.dtype))
+    record_global_norm(state, total, float(norm_type), grads)
+    return total
+
+
+def _global_norm(state: MatrixFSDPState, grads: list[torch.Tensor], p: float) -> torch.Tensor:
     device = _group_device(state.comm.group)  # gloo reduces CPU tensors, NCCL CUDA ones
-    p = float(norm_type)
     if math.isinf(p):
         local = max((g.abs().max().float().to(device) for g in grads if g.numel()), default=None)
         total = (local if local is not None else torch.zeros((), device=device)).reshape(1)
@@ -254,13 +279,7 @@ def clip_grad_norm_(
             local += g.float().abs().pow(p).sum().to(device)
         with comm_phase(Phase.OPTIMIZER):
             total = state.comm.all_reduce_scalar(local, op="sum").pow(1.0 / p)
-    total = total.reshape(())
-    if error_if_nonfinite and not torch.isfinite(total):
-        raise RuntimeError(f"the total norm of order {norm_type} of gradients is non-finite")
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for g in grads:
-        g.mul_(coef.to(g.dtype))
-    return total
+    return total.reshape(())
 
 
 # -- helpers ---------------------------------------------------------------------------------------

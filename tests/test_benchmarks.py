@@ -145,6 +145,27 @@ def test_gpu_script_skips_without_cuda(capsys: pytest.CaptureFixture[str]) -> No
     assert "no CUDA device" in capsys.readouterr().out
 
 
+def test_package_ships_only_matrixfsdp() -> None:
+    """``pip install`` installs ``matrixfsdp`` alone; benchmarks/ runs from a checkout."""
+    tomllib = pytest.importorskip("tomllib")
+    find_packages = pytest.importorskip("setuptools").find_packages
+
+    root = Path(__file__).resolve().parents[1]
+    find = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    packages = find_packages(str(root), include=find["find"]["include"])
+    assert "matrixfsdp" in packages and "matrixfsdp.optim.functional" in packages
+    assert all(p.split(".")[0] == "matrixfsdp" for p in packages), packages
+
+
+def test_benchmarks_build_the_cli_model() -> None:
+    from benchmarks.config import ModelConfig
+    from benchmarks.model import build_gpt
+    from matrixfsdp.launch.model import GPT
+
+    model = build_gpt(ModelConfig(dim=32, layers=2, heads=2, mlp_hidden=64, vocab=64, seq_len=16))
+    assert type(model) is GPT and model.layers[0].up.weight.shape == (64, 32)
+
+
 def test_gpu_script_runs_every_section_on_cpu(tmp_path: Path) -> None:
     """``--device cpu --tiny``: the GPU script's own code, at toy sizes, so a GPU run cannot fail
     on a Python bug; every section must produce its rows and pass its checks."""

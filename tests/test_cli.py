@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -63,6 +64,8 @@ def test_train_end_to_end(tmp_path: Path) -> None:
     assert layout.step == 8 and layout.world_size == 2 and layout.plan.matrices
     text = _cli("inspect", str(latest)).stdout
     assert "step 8" in text and "world size 2" in text
+    lrs = re.findall(r", lr (\S+)", text)  # learning rates rounded to 4 significant digits
+    assert len(lrs) == 2 and all(v == f"{float(v):.4g}" for v in lrs), lrs
 
 
 def test_kill_and_resume_matches_uninterrupted_run(tmp_path: Path) -> None:
@@ -87,7 +90,24 @@ def test_bad_config_fails_before_launch(tmp_path: Path) -> None:
     cfg.write_text("learning_rate: 0.1\n")
     proc = _cli("train", "--config", str(cfg), check=False)
     assert proc.returncode == 2 and "learning_rate" in proc.stderr
+    cfg.write_text("model: [1, 2\n  dim: 3\n")  # malformed YAML: one line naming the file
+    proc = _cli("train", "--config", str(cfg), check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().count("\n") == 0 and str(cfg) in proc.stderr, proc.stderr
     assert not (tmp_path / "checkpoints").exists()
+
+
+@pytest.mark.parametrize(("name", "text"), [("bad.yaml", "lr: [0.1\n  x: 1\n"),
+                                            ("bad.json", '{"lr": 0.1,,}'),
+                                            ("bytes.json", "\udcff")])
+def test_malformed_config_file_is_one_config_error(tmp_path: Path, name: str, text: str) -> None:
+    from matrixfsdp.launch.config import ConfigError, load_config
+
+    path = tmp_path / name
+    path.write_bytes(text.encode("utf-8", "surrogateescape"))
+    with pytest.raises(ConfigError, match="^" + re.escape(f"config file '{path}' is not valid")) as info:
+        load_config(path)
+    assert "\n" not in str(info.value)
 
 
 def _every_optimizer(rank: int, world: int, out: str) -> None:

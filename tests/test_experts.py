@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 
 import pytest
@@ -22,6 +23,8 @@ from .checks import (
 )
 from .dist_utils import run_subtests, run_world
 from .models import VOCAB, global_batch, local_batch
+from .references import make_reference
+from .test_optim_dist import _library_basis
 
 
 class MoEBlock(nn.Module):
@@ -95,33 +98,40 @@ def _sgd(rank: int, world: int, stacks: str) -> None:
 
 
 def _optimizer(rank: int, world: int, name: str, stacks: str) -> None:
-    """An owned stack is stepped exactly as one process steps the whole (E, m, n) tensor.
+    """An owned stack steps as the float64 reference steps each of its E experts.
 
-    That a (E, m, n) step equals E per-slice steps is tested on the pure functions
-    (tests/test_optim_functional.py). SOAP runs in float64 here: Adam in an eigenbasis is not
-    invariant to rotations inside near-degenerate eigenspaces, so fp32 reduction-order noise
-    across world sizes picks different bases (see test_optim_dist.py).
+    The reference is the formulas of tests/references.py, one matrix per expert; that a
+    (E, m, n) step equals E per-slice steps is also tested on the pure functions
+    (tests/test_optim_functional.py). SOAP runs in float64 and adopts the library's step-1
+    eigenbases after checking them (see ReferenceStepper in test_optim_dist.py).
     """
     ref, model = _pair(torch.float64 if name == "soap" else torch.float32)
     _wrap(model, stacks)
     kwargs = FREE_RUNNING_KWARGS.get(name, {})
     opt = mf.MatrixOptimizer(model, name, lr=0.01, tail_lr=1e-2, batch_same_shape=False, **kwargs)
-    spec = get_matrix_optimizer(name)
-    config = spec.make_config(kwargs)
+    hyper = dataclasses.asdict(get_matrix_optimizer(name).make_config(kwargs))
     matrices = {f: p for f, p in ref.named_parameters() if _stacks_and_gates(f, p)}
     tail = torch.optim.AdamW([p for f, p in ref.named_parameters() if f not in matrices], lr=1e-2,
                              weight_decay=0.0)
-    states = {f: spec.init_state_fn(p, config) for f, p in matrices.items()}
+    library_state: dict = {}
+    refs = {}
+    for fqn, p in matrices.items():
+        extra = {}
+        if name == "soap":
+            extra["pick_basis"] = functools.partial(_library_basis, library_state.copy, fqn)
+        refs[fqn] = make_reference(name, tuple(p.shape), **hyper, **extra)
     for step in range(3):
         tokens = global_batch(step)
         _loss(ref, tokens).backward()
         _loss(model, local_batch(tokens, rank, world)).backward()
+        opt.step()
+        if name == "soap" and step == 0:
+            library_state.update(full_optimizer_state(model, opt))
         with torch.no_grad():
             for fqn, p in matrices.items():
-                spec.step_fn(p, p.grad, states[fqn], lr=0.01, weight_decay=0.0, step=step + 1,
-                             initial_lr=0.01, config=config)
+                p.copy_(refs[fqn].step(p.double(), p.grad, lr=0.01, weight_decay=0.0,
+                                       initial_lr=0.01))
         tail.step()
-        opt.step()
         for o in (tail, opt):
             o.zero_grad()
         ref.zero_grad()

@@ -96,12 +96,12 @@ def test_weight_tied_to_an_embedding_stays_in_the_tail() -> None:
 def test_plans_of_the_existing_models_are_unchanged() -> None:
     """The CLI and benchmark GPTs: the new rule selects exactly their block nn.Linear weights."""
     from benchmarks.config import ModelConfig as BenchModelConfig
-    from benchmarks.model import GPT as BENCH_GPT
+    from benchmarks.model import build_gpt
     from matrixfsdp.launch.config import ModelConfig
     from matrixfsdp.launch.model import GPT
 
     for model in (GPT(ModelConfig(dim=16, layers=2, heads=2, hidden=24, seq_len=8)),
-                  BENCH_GPT(BenchModelConfig(dim=16, layers=2, heads=2, mlp_hidden=24)),
+                  build_gpt(BenchModelConfig(dim=16, layers=2, heads=2, mlp_hidden=24)),
                   TinyTransformer(tie=True)):
         sites = select_params(model, default_groups(model), None, "cpu")
         old = {s.fqn for s in sites if s.group and isinstance(s.module, nn.Linear)

@@ -80,7 +80,7 @@ class DistMuonStrategy(Strategy):
         self.group = self.mesh.get_group(shard_dim)
         self.me, self.size = self.mesh.get_local_rank(shard_dim), self.mesh.size(shard_dim)
         plan = owner_plan(model, self.size, ctx.optim.name) if self.hsdp else ctx.plan
-        for block in model.blocks:  # type: ignore[union-attr]
+        for block in model.layers:  # type: ignore[union-attr]
             fully_shard(block, mesh=self.mesh)
         fully_shard(model, mesh=self.mesh)
         params = dict(model.named_parameters())

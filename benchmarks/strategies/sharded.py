@@ -27,7 +27,7 @@ __all__ = [
 
 def _fully_shard(model: nn.Module, ctx: StrategyContext) -> None:
     """Stock FSDP2: one unit per block, then the root (the same units matrixfsdp uses)."""
-    for block in model.blocks:  # type: ignore[union-attr]
+    for block in model.layers:  # type: ignore[union-attr]
         fully_shard(block, mesh=ctx.mesh)
     fully_shard(model, mesh=ctx.mesh)
 
@@ -89,7 +89,8 @@ class _ShardedMatrices(Strategy):
 
 
 class ReconstructionStrategy(_ShardedMatrices):
-    """Stock FSDP2 + a matrix optimizer by reconstruction (the paper's "stock FSDP2-Muon").
+    """Stock FSDP2 + a matrix optimizer by reconstruction ("stock FSDP2-Muon" in the MatrixFSDP
+    paper, "MatrixFSDP: communication-free matrix optimizers under ZeRO-3 parameter sharding").
 
     Per matrix and step: ``full_tensor()`` all-gathers the gradient and every optimizer-state
     tensor (state is kept ``Shard(0)``, ZeRO-3 style); every rank runs the step function on the

@@ -23,7 +23,7 @@ from .errors import (
 )
 from .interop import LoadResult, export_full, load_full_state_dict
 from .layout import FORMAT_VERSION, CheckpointLayout
-from .storage import is_complete, latest, step_dir
+from .storage import is_complete, latest, remove_checkpoint, step_dir
 
 __all__ = [
     "FORMAT_VERSION",
@@ -42,6 +42,7 @@ __all__ = [
     "load_full_state_dict",
     "open_checkpoint",
     "read_layout",
+    "remove_checkpoint",
     "save",
     "step_dir",
     "wait_pending",

@@ -7,7 +7,12 @@
   hidden ``.tmp`` directory, which the next save to that path removes; ``latest()`` only looks at
   visible directories holding ``COMPLETE``, ``.metadata`` and the layout.
 - Replacing an existing checkpoint renames it to ``.<name>.old`` first and deletes it after the
-  new one is in place.
+  new one is in place. A save killed between those two renames leaves ``<name>`` missing and the
+  previous checkpoint, complete, under ``.<name>.old``: ``latest()`` counts it in that case (and
+  only then), and the next save to ``<name>`` renames it back first. No moment of a replacement
+  leaves ``latest()`` without the newest checkpoint that was complete before it began.
+- ``remove_checkpoint`` renames a checkpoint to a hidden ``.<name>.deleting`` before deleting
+  it, so a deletion killed half-way never leaves a visible, partly deleted checkpoint.
 
 [Note: reading DCP metadata without arbitrary unpickling]
 DCP stores ``.metadata`` as a pickle. ``read_metadata`` unpickles it with an allow-list of the
@@ -45,6 +50,7 @@ __all__ = [
     "publish",
     "read_marker",
     "read_metadata",
+    "remove_checkpoint",
     "require_checkpoint",
     "step_dir",
     "tmp_sibling",
@@ -179,7 +185,8 @@ def latest(root: str | os.PathLike[str]) -> Path | None:
     """The complete checkpoint under ``root`` with the highest step (None if there is none).
 
     Hidden directories (in-flight or crashed saves) and directories without the ``COMPLETE``
-    marker never count; ties on the step go to the lexically last name.
+    marker never count, except ``.<name>.old`` while ``<name>`` is missing (a replacement killed
+    half-way, see [Note: atomic checkpoints]); ties on the step go to the lexically last name.
     """
     root = Path(root)
     if not root.is_dir():
@@ -187,7 +194,7 @@ def latest(root: str | os.PathLike[str]) -> Path | None:
     best: tuple[int, str] | None = None
     best_path: Path | None = None
     for child in root.iterdir():
-        if child.name.startswith(".") or not child.is_dir():
+        if not child.is_dir() or (child.name.startswith(".") and _replaced_name(child) is None):
             continue
         marker = read_marker(child)
         if marker is None:
@@ -198,9 +205,23 @@ def latest(root: str | os.PathLike[str]) -> Path | None:
     return best_path
 
 
+def _replaced_name(hidden: Path) -> Path | None:
+    """``<name>`` for a ``.<name>.old`` whose ``<name>`` is missing (an interrupted replace)."""
+    name = hidden.name
+    if not (name.startswith(".") and name.endswith(".old")) or len(name) <= len("..old"):
+        return None
+    visible = hidden.parent / name[1 : -len(".old")]
+    return None if visible.exists() else visible
+
+
 # -- writing ---------------------------------------------------------------------------------------
 def prepare_target(path: Path) -> Path:
     """Coordinator: check ``path`` may be (over)written, make a fresh temporary sibling."""
+    old = old_sibling(path)
+    if not path.exists() and is_complete(old):
+        logger.warning("matrixfsdp.checkpoint: restoring %s from %s (an interrupted replace)",
+                       path, old)
+        os.rename(old, path)
     if path.exists() and not (path.is_dir() and (is_complete(path) or not any(path.iterdir()))):
         raise CheckpointError(
             f"refusing to save to {path}: it exists and is not a matrixfsdp checkpoint (nor an "
@@ -248,6 +269,17 @@ def publish(tmp: Path, path: Path, layout: CheckpointLayout) -> None:
     if replaced:
         shutil.rmtree(old, ignore_errors=True)
     logger.info("matrixfsdp.checkpoint: saved step %d to %s", layout.step, path)
+
+
+def remove_checkpoint(path: str | os.PathLike[str]) -> None:
+    """Delete a checkpoint directory; it turns hidden first, so no half-deleted one stays visible."""
+    path = Path(path)
+    trash = path.parent / f".{path.name}.deleting"
+    if trash.exists():
+        shutil.rmtree(trash)
+    os.rename(path, trash)
+    _fsync_dir(path.parent)
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 def require_checkpoint(path: Path) -> None:

@@ -15,6 +15,7 @@ __all__ = ["config_overrides", "main"]
 
 _TORCHRUN_PASSTHROUGH = ("--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-id",
                          "--rdzv-backend", "--max-restarts", "--master-addr", "--master-port")
+_SINGLE_NODE_OK = {"tr_max_restarts"}  # passthrough flags that keep torchrun's --standalone
 
 
 def _override_parser() -> argparse.ArgumentParser:
@@ -25,6 +26,8 @@ def _override_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="output directory (default: runs/default)")
     p.add_argument("--replicate", type=int, help="HSDP: replicas (e.g. nodes); ranks = "
                    "replicate x shard size; default 1 = flat owner sharding over all ranks")
+    p.add_argument("--skip-nonfinite", action=argparse.BooleanOptionalAction, default=None,
+                   help="skip steps whose global gradient norm is inf/NaN (default: on)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any config field, e.g. --set lr=0.01 --set model.dim=256")
     return p
@@ -39,7 +42,8 @@ def config_overrides(argv: list[str], prog: str = "matrixfsdp train") -> dict[st
         raise SystemExit(f"{prog}: unrecognized arguments: {' '.join(unknown)}")
     overrides: dict[str, Any] = {"optimizer": args.optimizer, "steps": args.steps,
                                  "nproc": args.nproc, "out": args.out,
-                                 "replicate": args.replicate}
+                                 "replicate": args.replicate,
+                                 "skip_nonfinite": args.skip_nonfinite}
     for item in args.set:
         key, sep, value = item.partition("=")
         if not sep or not key:
@@ -49,11 +53,14 @@ def config_overrides(argv: list[str], prog: str = "matrixfsdp train") -> dict[st
 
 
 def _cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
+    from . import faults
     from .config import ConfigError, load_config
 
     try:
         cfg = load_config(args.config, **config_overrides(rest))  # fails before any process
-    except ConfigError as exc:
+        out = Path(cfg.out)
+        faults.resolve_start(out, resume=args.resume, overwrite=args.overwrite, restarts=0)
+    except (ConfigError, ValueError) as exc:  # bad config; checkpoints there and no flag
         print(f"matrixfsdp train: {exc}", file=sys.stderr)
         return 2
     if args.tr_nnodes is None and cfg.nproc % cfg.replicate:  # one node: the world is known
@@ -61,15 +68,20 @@ def _cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
               f"ranks (ranks = replicate x shard size); choose a divisor of {cfg.nproc}",
               file=sys.stderr)
         return 2
-    out = Path(cfg.out)
+    if args.overwrite:
+        faults.move_aside(out)
     out.mkdir(parents=True, exist_ok=True)
     resolved = out / "config.json"
     resolved.write_text(cfg.model_dump_json(indent=2) + "\n")
     if args.device != "auto":
         os.environ["MATRIXFSDP_DEVICE"] = args.device
-    rdzv = [x for flag, value in vars(args).items() if flag.startswith("tr_") and value is not None
-            for x in (f"--{flag[3:].replace('_', '-')}", str(value))]
-    torchrun = ["--nproc-per-node", str(cfg.nproc), *(rdzv or ["--standalone"]),
+    # A fresh worker store per restart (see [Note: restarts] in faults.py).
+    os.environ.setdefault(faults.SHARE_STORE_ENV, "1")
+    given = {flag: value for flag, value in vars(args).items()
+             if flag.startswith("tr_") and value is not None}
+    rdzv = [x for flag, value in given.items() for x in (f"--{flag[3:].replace('_', '-')}", str(value))]
+    standalone = [] if set(given) - _SINGLE_NODE_OK else ["--standalone"]
+    torchrun = ["--nproc-per-node", str(cfg.nproc), *standalone, *rdzv,
                 "-m", "matrixfsdp.launch.train", "--config", str(resolved)]
     if args.resume:
         torchrun.append("--resume")
@@ -123,7 +135,10 @@ def _parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train the embedded byte-level GPT (or your config)",
                            parents=[_override_parser()])
     train.add_argument("--config", help="YAML or JSON file of TrainConfig fields")
-    train.add_argument("--resume", action="store_true", help="continue from OUT/checkpoints")
+    train.add_argument("--resume", action="store_true",
+                       help="continue from the latest checkpoint in OUT (torchrun restarts always do)")
+    train.add_argument("--overwrite", action="store_true",
+                       help="move an existing run in OUT aside (OUT.old-<time>) and start over")
     train.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     for flag in _TORCHRUN_PASSTHROUGH:
         train.add_argument(flag, dest="tr_" + flag[2:].replace("-", "_"),
@@ -182,7 +197,7 @@ def _strip_train_only(argv: list[str]) -> list[str]:
             skip = False
             continue
         name = arg.split("=", 1)[0]
-        if arg == "--resume":
+        if arg in ("--resume", "--overwrite"):
             continue
         if name in launcher:
             skip = "=" not in arg

@@ -65,6 +65,8 @@ class TrainConfig(BaseModel):
     steps: int = Field(400, ge=1)
     global_batch: int = Field(16, ge=1)
     grad_clip: float | None = Field(1.0, gt=0)
+    skip_nonfinite: bool = True  # skip (on every rank) a step whose global grad norm is inf/NaN
+    collective_timeout_s: float = Field(300.0, gt=0)  # a rank whose peer died exits after this
     seed: int = 0
     eval_every: int = Field(50, ge=1)
     eval_batches: int = Field(4, ge=1)
@@ -119,13 +121,16 @@ def _read(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
-    text = path.read_text()
-    if path.suffix in (".yaml", ".yml"):
-        import yaml
+    import yaml
 
-        data = yaml.safe_load(text)
-    else:
-        data = json.loads(text)
+    is_yaml = path.suffix in (".yaml", ".yml")
+    try:
+        text = path.read_text()
+        data = yaml.safe_load(text) if is_yaml else json.loads(text)
+    except (OSError, ValueError, yaml.YAMLError) as exc:  # ValueError: JSON and decoding errors
+        reason = " ".join(str(exc).split())  # one line: YAML errors span several
+        kind = "YAML" if is_yaml else "JSON"
+        raise ConfigError(f"config file {str(path)!r} is not valid {kind}: {reason}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {str(path)!r} must hold a mapping, got {type(data).__name__}")
     return data

@@ -42,8 +42,9 @@ def inspect_checkpoint(path: str | Path) -> str:
         lines += ["", f"  optimizer {layout.optimizer.cls}"]
         for group in layout.optimizer.groups:
             lr = group.hyperparams.get("lr")
+            lr_text = f"{lr:.4g}" if isinstance(lr, (int, float)) else str(lr)
             lines.append(f"    group {group.kind or '-'}: {group.optimizer or '-'}, "
-                         f"{len(group.params)} params, lr {lr}")
+                         f"{len(group.params)} params, lr {lr_text}")
     for fqn, note in plan.notes.items():
         lines.append(f"  note {fqn}: {note}")
     if isinstance(layout.extra, dict):

@@ -2,6 +2,7 @@
 
 ``matrixfsdp train`` validates the configuration, writes it to ``OUT/config.json`` and starts this
 module on every rank through torchrun's machinery; multi-node runs use torchrun's rendezvous flags.
+Restarts, resuming and failing are described in [Note: restarts] (``faults.py``).
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import logging
 import math
 import os
 import resource
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 import matrixfsdp as mf
 
+from . import faults
 from .config import TrainConfig, load_config
 from .data import ByteCorpus
 from .model import GPT
@@ -53,7 +54,7 @@ class RunContext:
         return self.out / "checkpoints"
 
 
-def _init_distributed() -> tuple[int, int, torch.device]:
+def _init_distributed(cfg: TrainConfig) -> tuple[int, int, torch.device]:
     use_cuda = torch.cuda.is_available() and os.environ.get("MATRIXFSDP_DEVICE", "") != "cpu"
     if use_cuda:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -64,7 +65,7 @@ def _init_distributed() -> tuple[int, int, torch.device]:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo")
+        faults.init_process_group("nccl" if use_cuda else "gloo", cfg.collective_timeout_s)
     return dist.get_rank(), dist.get_world_size(), device
 
 
@@ -79,9 +80,10 @@ def _lr_lambda(cfg: TrainConfig):
 
 
 def _build(cfg: TrainConfig) -> RunContext:
-    rank, world, device = _init_distributed()
+    rank, world, device = _init_distributed(cfg)
     if cfg.global_batch % world:
-        raise ValueError(f"global_batch ({cfg.global_batch}) must be divisible by the world size ({world})")
+        raise ValueError(f"global_batch ({cfg.global_batch}) must be divisible by the world size "
+                         f"({world}); a resumed run may use any world size that divides it")
     torch.manual_seed(cfg.seed)
     corpus = ByteCorpus(cfg.corpus_bytes, cfg.val_fraction)
     model = GPT(cfg.model).to(device)
@@ -95,17 +97,20 @@ def _build(cfg: TrainConfig) -> RunContext:
         kwargs.setdefault("ns_dtype", "float32")  # bf16 GEMMs are slow on CPUs
     optimizer = mf.MatrixOptimizer(
         model, optimizer=cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay,
-        tail_lr=cfg.tail_lr, tail_weight_decay=cfg.tail_weight_decay, **kwargs,
+        tail_lr=cfg.tail_lr, tail_weight_decay=cfg.tail_weight_decay,
+        skip_nonfinite=cfg.skip_nonfinite, **kwargs,
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg))
     return RunContext(cfg, rank, world, device, Path(cfg.out), corpus, model, optimizer, scheduler)
 
 
 def _resume(ctx: RunContext) -> int:
-    path = mf.checkpoint.latest(ctx.checkpoint_root)
+    """Load the latest complete checkpoint (rank 0 picks it for all); returns its step."""
+    path = faults.agree_on_checkpoint(ctx.checkpoint_root, ctx.rank, ctx.device)
     if path is None:
         if ctx.rank == 0:
-            logger.warning("--resume: no checkpoint under %s; starting from step 0", ctx.checkpoint_root)
+            logger.warning("resume: no complete checkpoint under %s yet; starting from step 0",
+                           ctx.checkpoint_root)
         return 0
     info = mf.checkpoint.load(path, ctx.model, ctx.optimizer)
     step = int(info["step"])
@@ -113,16 +118,27 @@ def _resume(ctx: RunContext) -> int:
     factor = _lr_lambda(ctx.cfg)(step)
     for group in ctx.optimizer.param_groups:
         group["lr"] = group["initial_lr"] * factor
-    ctx.metrics = [m for m in _read_metrics(ctx.out / "metrics.jsonl") if m["step"] <= step]
+    extra = info["extra"] if isinstance(info["extra"], dict) else {}
+    ctx.optimizer.skipped_steps = int(extra.get("skipped_steps", 0))
     if ctx.rank == 0:
-        logger.info("resumed from %s at step %d", path, step)
+        ctx.metrics = [m for m in _read_metrics(ctx.out / "metrics.jsonl") if m["step"] <= step]
+        if [m["step"] for m in ctx.metrics] != list(range(1, step + 1)):
+            logger.warning("metrics.jsonl lacks rows for some of steps 1..%d", step)
+        logger.info("resumed from %s at step %d (world size %d)", path, step, ctx.world)
     return step
 
 
 def _read_metrics(path: Path) -> list[dict[str, Any]]:
+    """Rows of ``metrics.jsonl``; a line cut short by a kill (only ever the last) is dropped."""
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            logger.warning("metrics.jsonl: dropping an incomplete line %r", line[:80])
+    return rows
 
 
 def _sync(device: torch.device) -> None:
@@ -148,11 +164,12 @@ def _train_step(ctx: RunContext, step: int) -> dict[str, Any]:
     _sync(ctx.device)
     t1 = time.perf_counter()
     loss.backward()
+    faults.inject_nan_grad(step, ctx.rank, ctx.model.parameters())
     _sync(ctx.device)
     t2 = time.perf_counter()
     grad_norm = mf.clip_grad_norm_(ctx.model, cfg.grad_clip) if cfg.grad_clip else None
     lr = ctx.optimizer.param_groups[0]["lr"]
-    ctx.optimizer.step()
+    ctx.optimizer.step()  # skips on every rank alike if the global grad norm is inf/NaN
     ctx.optimizer.zero_grad(set_to_none=True)
     ctx.scheduler.step()
     _sync(ctx.device)
@@ -162,6 +179,8 @@ def _train_step(ctx: RunContext, step: int) -> dict[str, Any]:
     return {
         "step": step + 1, "loss": _global_mean(loss, ctx.world), "lr": lr,
         "grad_norm": None if grad_norm is None else float(grad_norm),
+        "skipped": bool(getattr(ctx.optimizer, "last_step_skipped", False)),
+        "skipped_steps": int(getattr(ctx.optimizer, "skipped_steps", 0)),
         "time_forward": t1 - t0, "time_backward": t2 - t1, "time_optimizer": t3 - t2,
         "time_step": t3 - t0, "tokens_per_s": cfg.global_batch * cfg.model.seq_len / (t3 - t0),
         "matrix_comm_bytes_sent": comm, "peak_rss_mib": _peak_memory_mib(ctx.device),
@@ -198,30 +217,39 @@ def _evaluate(ctx: RunContext, step: int) -> float:
 
 
 def _save(ctx: RunContext, step: int) -> None:
-    path = ctx.checkpoint_root / f"step_{step:08d}"
-    mf.checkpoint.save(path, ctx.model, ctx.optimizer, step=step, extra={"config": ctx.cfg.model_dump()})
+    path = mf.checkpoint.step_dir(ctx.checkpoint_root, step)
+    extra = {"config": ctx.cfg.model_dump(),
+             "skipped_steps": int(getattr(ctx.optimizer, "skipped_steps", 0))}
+    mf.checkpoint.save(path, ctx.model, ctx.optimizer, step=step, extra=extra)
     if ctx.rank == 0:
         done = sorted(p for p in ctx.checkpoint_root.glob("step_*") if p.is_dir() and p != path)
         for old in done[: max(0, len(done) - (ctx.cfg.keep_checkpoints - 1))]:
-            shutil.rmtree(old, ignore_errors=True)
+            mf.checkpoint.remove_checkpoint(old)
 
 
-def train(cfg: TrainConfig, *, resume: bool = False) -> list[dict[str, Any]]:
-    """Run the training loop on this rank; returns the metrics (complete on rank 0)."""
+def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False) -> list[dict[str, Any]]:
+    """Run the training loop on this rank; returns the metrics (complete on rank 0).
+
+    Resumes from the latest checkpoint when ``resume`` is set or torchrun restarted the workers;
+    see [Note: restarts] for the rules (and ``overwrite``).
+    """
     ctx = _build(cfg)
-    start = _resume(ctx) if resume else 0
+    mode = faults.agree_on_start(ctx.out, ctx.rank, ctx.device, resume=resume, overwrite=overwrite)
+    start = _resume(ctx) if mode is faults.StartMode.RESUME else 0
     progress = _progress(ctx, start)
     fail_at = int(os.environ.get(_FAIL_AT_STEP_ENV, "-1"))
     with _MetricsWriter(ctx) as writer:
         for step in range(start, cfg.steps):
             if step == fail_at:
                 os._exit(17)  # simulate a killed job (no cleanup, no final checkpoint)
+            faults.inject_fault(step, ctx.rank)
             record = _train_step(ctx, step)
             if record["step"] % cfg.eval_every == 0 or record["step"] == cfg.steps:
                 record["val_loss"] = _evaluate(ctx, step)
                 record.update(_per_rank_bytes(ctx, record))
             writer.write(record)
             if record["step"] % cfg.checkpoint_every == 0 or record["step"] == cfg.steps:
+                writer.sync()  # the rows up to a checkpoint are on disk before it is
                 _save(ctx, record["step"])
             if progress is not None:
                 progress.update(1)
@@ -246,7 +274,10 @@ def _progress(ctx: RunContext, start: int):
 
 
 class _MetricsWriter:
-    """Rank 0 rewrites ``metrics.jsonl`` from the resumed prefix, then appends one line per step."""
+    """Rank 0 rewrites ``metrics.jsonl`` from the resumed prefix, then appends one line per step.
+
+    The rewrite goes through a temporary file and a rename, so a kill during it loses no row.
+    """
 
     def __init__(self, ctx: RunContext) -> None:
         self.ctx = ctx
@@ -255,11 +286,20 @@ class _MetricsWriter:
     def __enter__(self) -> _MetricsWriter:
         if self.ctx.rank == 0:
             self.ctx.out.mkdir(parents=True, exist_ok=True)
-            self.file = (self.ctx.out / "metrics.jsonl").open("w")
-            for record in self.ctx.metrics:
-                self.file.write(json.dumps(record) + "\n")
-            self.file.flush()
+            path = self.ctx.out / "metrics.jsonl"
+            tmp = path.with_name(".metrics.jsonl.tmp")
+            with tmp.open("w") as stream:
+                stream.writelines(json.dumps(record) + "\n" for record in self.ctx.metrics)
+                stream.flush()
+                os.fsync(stream.fileno())
+            os.replace(tmp, path)
+            self.file = path.open("a")
         return self
+
+    def sync(self) -> None:
+        if self.file is not None:
+            self.file.flush()
+            os.fsync(self.file.fileno())
 
     def write(self, record: dict[str, Any]) -> None:
         self.ctx.metrics.append(record)
@@ -276,17 +316,19 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="matrixfsdp.launch.train", description=__doc__)
     parser.add_argument("--config", help="YAML/JSON training config (defaults if omitted)")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="move an existing run in the output directory aside and start over")
     args, rest = parser.parse_known_args(argv)
     from .cli import config_overrides
 
     cfg = load_config(args.config, **config_overrides(rest))
     logging.basicConfig(level=logging.INFO if int(os.environ.get("RANK", "0")) == 0 else logging.WARNING,
                         format="%(asctime)s %(name)s: %(message)s")
-    try:
-        train(cfg, resume=args.resume)
-    finally:
+    with faults.exit_on_failure(cfg.collective_timeout_s):
+        train(cfg, resume=args.resume, overwrite=args.overwrite)
         if dist.is_initialized():
             dist.destroy_process_group()
+    faults.exit_now(0)
 
 
 if __name__ == "__main__":

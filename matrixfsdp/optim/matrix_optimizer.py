@@ -7,6 +7,9 @@ step of each matrix runs on its owner alone and issues no collective. Param grou
 shares this optimizer's ``state`` and group dicts, so ``state_dict()``, LR schedulers and DCP see
 one ordinary optimizer. ``add_param_group`` adds a group of either kind, routed by whether the
 runtime manages its parameters as matrices.
+
+With ``skip_nonfinite=True`` a step whose global gradient norm is inf/NaN is skipped on every rank
+alike; see [Note: skipping non-finite steps] in ``matrixfsdp.nonfinite``.
 """
 
 from __future__ import annotations
@@ -22,8 +25,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
-from ..api import get_state
+from ..api import get_state, global_grad_norm
 from ..collectives import Phase, comm_phase
+from ..nonfinite import discard_global_norm, take_global_norm
 from .layouts import MatrixLayout, SplitSpec, resolve_split
 from .offload import StatePlacement, make_state_placement
 from .owner_step import OwnedMatrix, batch_owned, init_owned_state, local, owned_blocks, step_owned
@@ -60,6 +64,11 @@ class MatrixOptimizer(torch.optim.Optimizer):
             CUDA), staged onto the device two matrices at a time while stepping, with the next
             matrix's copy-in overlapping the current one's math (see [Note: optimizer state
             offload]); results equal on-device state bit for bit. ``None`` (default): on device.
+        skip_nonfinite: skip a step whose global gradient norm is inf or NaN, on every rank
+            alike: parameters and optimizer state stay unchanged, gradients are cleared, and
+            ``skipped_steps`` / ``last_step_skipped`` record it. The decision reuses the norm of
+            a ``clip_grad_norm_`` call made since the last step (no extra collective), else
+            costs one scalar all-reduce (see [Note: skipping non-finite steps]).
         **optimizer_kwargs: the matrix optimizer's hyperparameters (e.g. Muon's ``momentum``,
             ``nesterov``, ``ns_steps``; OKLS's ``beta1``, ``beta2``, ``eps``).
 
@@ -97,6 +106,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
         batch_same_shape: bool | None = None,
         split: SplitSpec | None = None,
         offload_state: str | None = None,
+        skip_nonfinite: bool = False,
         **optimizer_kwargs: Any,
     ) -> None:
         for field, value in (("lr", lr), ("weight_decay", weight_decay), ("tail_lr", tail_lr),
@@ -151,6 +161,10 @@ class MatrixOptimizer(torch.optim.Optimizer):
         if batch_same_shape is None:
             batch_same_shape = any(p.is_cuda for p in matrices) and not self._placement.offloaded
         self.batch_same_shape = bool(batch_same_shape)
+        self.skip_nonfinite = bool(skip_nonfinite)
+        self.skipped_steps = 0  # steps skipped for a non-finite gradient norm (this process)
+        self.last_step_skipped = False
+        self._runtime = runtime
         self._link_inner()
 
     def _link_inner(self) -> None:
@@ -225,12 +239,36 @@ class MatrixOptimizer(torch.optim.Optimizer):
                 loss = closure()
         self._runtime.quiesce()  # no gather may read a parameter while it is being stepped
         with comm_phase(Phase.OPTIMIZER), record_function("matrixfsdp::optimizer_step"):
+            self.last_step_skipped = self.skip_nonfinite and self._nonfinite_grad_norm()
+            if self.last_step_skipped:
+                self.zero_grad(set_to_none=True)
+                return loss
+            discard_global_norm(self._runtime)
             for index, group in enumerate(self.param_groups):
                 if group.get("kind") == "matrix":
                     self._step_matrices(index, group)
             if self._tail_inner is not None:  # once, over every tail group
                 self._tail_inner.step()
         return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        discard_global_norm(self._runtime)  # a recorded norm describes the cleared gradients
+        super().zero_grad(set_to_none=set_to_none)
+
+    def _nonfinite_grad_norm(self) -> bool:
+        """Collective (or free after clipping): is the global gradient norm inf/NaN?"""
+        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                 for g in self.param_groups for p in g["params"] if p.grad is not None]
+        norm = take_global_norm(self._runtime, grads)
+        if norm is None:
+            norm = global_grad_norm(self._runtime.root)
+        if bool(torch.isfinite(norm)):
+            return False
+        self.skipped_steps += 1
+        log = logger.warning if self._runtime.comm.rank == 0 else logger.debug
+        log("matrixfsdp: skipped an optimizer step: the global gradient norm is %s (%d skipped "
+            "so far); parameters and optimizer state are unchanged", float(norm), self.skipped_steps)
+        return True
 
     def _step_matrices(self, index: int, group: dict[str, Any]) -> None:
         # Sharded stacks are DTensors: every rank keeps (possibly empty) state for them, so all

@@ -2,8 +2,9 @@
 
 Every function works on whole local tensors of shape ``(m, n)`` or
 ``(*, m, n)`` (a batch of independent matrices, e.g. stacked experts). See
-:mod:`.registry` for the ``init_state_fn`` / ``step_fn`` contract and
-``shared/ALGORITHMS.md`` for the math.
+:mod:`.registry` for the ``init_state_fn`` / ``step_fn`` contract; each
+optimizer's module docstring states its math and the reference
+implementation whose conventions it follows.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from .muon import muon_adjusted_lr, muon_init_state, muon_step, zeropower_via_ne
 from .okls import okls_direction, okls_init_state, okls_scales, okls_step
 from .packing import pack_sym, packed_dim, packed_size, unpack_sym
 from .registry import FUNCTIONAL_OPTIMIZERS, InitStateFn, StepFn, get_functional_optimizer
-from .shampoo import shampoo_direction, shampoo_init_state, shampoo_step
+from .shampoo import shampoo_direction, shampoo_init_state, shampoo_refreshes, shampoo_step
 from .soap import soap_direction, soap_init_state, soap_step
 
 __all__ = [
@@ -58,6 +59,7 @@ __all__ = [
     "packed_size",
     "shampoo_direction",
     "shampoo_init_state",
+    "shampoo_refreshes",
     "shampoo_step",
     "soap_direction",
     "soap_init_state",

@@ -39,31 +39,37 @@ def inverse_root_eigh(
     root: float,
     *,
     eps: float,
-    relative_to: str = "max",
+    relative_to: str | None = "max",
     dtype: torch.dtype = torch.float32,
 ) -> Tensor:
     """``(A + r I)^{-1/root}`` of symmetric PSD ``A`` (*, d, d) by ``torch.linalg.eigh``.
 
-    The regularizer is ``r = eps * lambda_max(A)`` (``relative_to="max"``) or
-    ``r = eps * tr(A) / d`` (``"mean"``), so the root is scale-equivariant:
-    ``(cA)^{-1/root} = c^{-1/root} A^{-1/root}``. Negative (round-off)
-    eigenvalues are clamped to 0. ``A`` is normalised by ``tr(A)/d`` before
-    the eigensolve and the scale is restored afterwards. Computed in
-    ``dtype``; returned in fp32.
+    The regularizer is ``r = eps * lambda_max(A)`` (``relative_to="max"``),
+    ``r = eps * tr(A) / d`` (``"mean"``) or ``r = eps`` (``None``: absolute, as
+    Distributed Shampoo's epsilon). The relative forms make the root
+    scale-equivariant: ``(cA)^{-1/root} = c^{-1/root} A^{-1/root}``. Negative
+    (round-off) eigenvalues are clamped to 0. ``A`` is normalised by
+    ``c = tr(A)/d`` (at least ``eps`` in the absolute form, so a zero ``A``
+    gives ``eps^{-1/root} I``) before the eigensolve and the scale is restored
+    afterwards. Computed in ``dtype``; returned in fp32.
     """
     d = A.shape[-1]
     X = A.to(dtype)
     X = (X + X.mT) * 0.5
     tiny = torch.finfo(dtype).tiny
     c = (X.diagonal(dim1=-2, dim2=-1).sum(-1) / d).clamp_min(tiny)
+    if relative_to is None:
+        c = c.clamp_min(eps)
     evals, evecs = torch.linalg.eigh(X / c[..., None, None])
     evals = evals.clamp_min(0.0)
     if relative_to == "max":
         reg = eps * evals[..., -1:]
     elif relative_to == "mean":
         reg = torch.full_like(evals[..., -1:], eps)
+    elif relative_to is None:
+        reg = eps / c[..., None]
     else:
-        raise ValueError(f"relative_to must be 'max' or 'mean', got {relative_to!r}")
+        raise ValueError(f"relative_to must be 'max', 'mean' or None, got {relative_to!r}")
     powered = (evals + reg.clamp_min(tiny)).pow(-1.0 / root)
     out = (evecs * powered.unsqueeze(-2)) @ evecs.mT
     return out.mul_(c.pow(-1.0 / root)[..., None, None]).to(torch.float32)

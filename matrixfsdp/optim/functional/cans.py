@@ -1,6 +1,7 @@
 """Inverse square roots of SPD matrices: Scaled CANS coupled Newton–Schulz and references.
 
-Scaled CANS (Online KL Shampoo, seed 003) computes ``S^{-1/2}`` with GEMMs only:
+Scaled CANS (the Online KL Shampoo release, tilde-research/online-kl-shampoo-release)
+computes ``S^{-1/2}`` with GEMMs only:
 
 * ``L = 1.01 * min(Wolkowicz–Styan, Minc)`` is an O(d^2) upper bound on
   ``lambda_max(S)``, so ``Y0 = S / L`` has its spectrum in (0, 1].

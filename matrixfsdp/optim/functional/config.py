@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 __all__ = [
     "EmaGramConfig",
@@ -24,6 +25,7 @@ _NS_DTYPES = ("bfloat16", "float32", "float64")
 _ROOT_DTYPES = ("float32", "float64")
 _ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 _SHAPE_SCALES = ("none", "original", "match_rms_adamw")
+_EPS_MODES = ("relative", "absolute")
 
 
 def _fail(cls: object, field: str, rule: str, value: object) -> None:
@@ -46,6 +48,11 @@ def _check_nonneg(cls: object, field: str, value: float) -> None:
 def _check_pos_int(cls: object, field: str, value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         _fail(cls, field, "an integer >= 1", value)
+
+
+def _check_bool(cls: object, field: str, value: object) -> None:
+    if not isinstance(value, bool):
+        _fail(cls, field, "a bool", value)
 
 
 def _check_choice(cls: object, field: str, value: object, choices: tuple) -> None:
@@ -102,9 +109,27 @@ class ShampooConfig:
 
     ``betas = (beta1, beta2)``: beta1 is the momentum EMA; beta2 is the EMA of
     the Kronecker factors and of the grafting second moment (beta2 = 1 gives
-    plain sum accumulation and AdaGrad grafting). ``eps`` is RELATIVE: it is
-    multiplied by each factor's largest eigenvalue before being added to all
-    eigenvalues. ``grafting`` is "adam" or "none".
+    plain sum accumulation and AdaGrad grafting). ``grafting`` is "adam" or
+    "none".
+
+    Conventions shared with Distributed Shampoo (facebookresearch/optimizers):
+
+    * ``bias_correction`` (its ``use_bias_correction``): the momentum is divided
+      by ``1 - beta1^t`` and, when beta2 < 1, each factor by ``1 - beta2^t``
+      before its root (with or without grafting).
+    * ``eps_mode``: "relative" (default) adds ``eps * lambda_max`` of the
+      (bias-corrected) factor to its eigenvalues, which makes the roots
+      scale-invariant and keeps fp32 eigensolves of rank-deficient factors
+      stable; "absolute" adds ``eps * I`` to the bias-corrected factor, as
+      Distributed Shampoo's ``epsilon`` (whose default is 1e-12).
+    * ``start_preconditioning_step`` (``-1`` means ``precondition_frequency``,
+      as in Distributed Shampoo): steps ``t < start`` use the grafting direction
+      alone (the momentum itself when ``grafting="none"``: the roots start as
+      identities); roots are recomputed at ``t = start`` and at every
+      ``t > start`` with ``t % precondition_frequency == 0``. Unlike
+      Distributed Shampoo a start below ``precondition_frequency`` is allowed
+      (``start_preconditioning_step=1``: precondition from step 1, refresh at
+      1, k, 2k, ...). The defaults (frequency 1, start -1) refresh every step.
     """
 
     betas: tuple[float, float] = (0.9, 0.999)
@@ -113,6 +138,9 @@ class ShampooConfig:
     root_dtype: str = "float32"
     grafting: str = "adam"
     grafting_eps: float = 1e-8
+    bias_correction: bool = True
+    eps_mode: Literal["relative", "absolute"] = "relative"
+    start_preconditioning_step: int = -1
 
     def __post_init__(self) -> None:
         _check_betas(self, self.betas, beta2_closed=True)
@@ -123,14 +151,28 @@ class ShampooConfig:
         _check_choice(self, "root_dtype", self.root_dtype, _ROOT_DTYPES)
         _check_choice(self, "grafting", self.grafting, ("adam", "none"))
         _check_nonneg(self, "grafting_eps", self.grafting_eps)
+        _check_bool(self, "bias_correction", self.bias_correction)
+        _check_choice(self, "eps_mode", self.eps_mode, _EPS_MODES)
+        start = self.start_preconditioning_step
+        if isinstance(start, bool) or not isinstance(start, int) or (start < 1 and start != -1):
+            _fail(self, "start_preconditioning_step", "-1 or an integer >= 1", start)
+
+    @property
+    def first_preconditioned_step(self) -> int:
+        """``start_preconditioning_step`` with -1 resolved to ``precondition_frequency``."""
+        start = self.start_preconditioning_step
+        return self.precondition_frequency if start == -1 else start
 
 
 @dataclass(frozen=True)
 class SOAPConfig:
     """SOAP (Vyas et al., 2024): Adam in the eigenbasis of Shampoo's factors.
 
+    Names and defaults follow the reference implementation (nikhilvyas/SOAP).
     ``shampoo_beta`` is the factor EMA coefficient; ``None`` means "use
-    betas[1]" as in the reference implementation.
+    betas[1]" as there. ``eps`` is Adam's absolute epsilon added to the
+    square root of the rotated second moment, as there; the factors'
+    eigendecompositions take no regularizer, so there is no ``eps_mode``.
     """
 
     betas: tuple[float, float] = (0.95, 0.95)
@@ -151,16 +193,19 @@ class SOAPConfig:
 
 @dataclass(frozen=True)
 class OKLSConfig:
-    """Online KL Shampoo; names/defaults follow the public release's README.
+    """Online KL Shampoo; names and defaults follow the public release
+    (tilde-research/online-kl-shampoo-release, ``OnlineKLShampoo``: beta1=0.9684,
+    beta2=0.9482, eps=1e-9; its lr=0.09434 and weight_decay=0.0303 are passed to
+    the step function, not stored here).
 
     ``root_method`` is "cans" (Scaled CANS, the published method) or "eigh"
     (float64 eigendecomposition, for debugging). ``fp16_scaled`` selects the
     fp16-GEMM CANS path: None means "on CUDA only".
     """
 
-    beta1: float = 0.95
-    beta2: float = 0.95
-    eps: float = 1e-12
+    beta1: float = 0.9684
+    beta2: float = 0.9482
+    eps: float = 1e-9
     root_method: str = "cans"
     fp16_scaled: bool | None = None
 
@@ -175,13 +220,16 @@ class OKLSConfig:
 
 @dataclass(frozen=True)
 class EmaGramConfig:
-    """EMA-Gram quarter-power preconditioning (seed 000).
+    """EMA-Gram quarter-power preconditioning.
 
-    ``eps`` is added to the eigenvalues of each Gram after it is normalized by
-    its mean eigenvalue (trace / d), i.e. it is relative to the mean
-    eigenvalue. ``shape_scale`` multiplies the update like Muon's
+    ``eps_mode="relative"`` (default) adds ``eps`` to the eigenvalues of each
+    (bias-corrected) Gram after it is normalized by its mean eigenvalue
+    (trace / d), i.e. ``eps`` is relative to the mean eigenvalue;
+    ``"absolute"`` adds ``eps * I`` to the bias-corrected Gram, as Distributed
+    Shampoo does. ``shape_scale`` multiplies the update like Muon's
     ``adjust_lr_fn``: "none", "original" (sqrt(max(1, m/n))) or
-    "match_rms_adamw" (0.2 * sqrt(max(m, n))).
+    "match_rms_adamw" (0.2 * sqrt(max(m, n))). ``root_dtype`` is the eigh compute dtype
+    ("float32" or "float64"; the roots are stored in fp32).
     """
 
     betas: tuple[float, float] = (0.95, 0.95)
@@ -189,11 +237,14 @@ class EmaGramConfig:
     precondition_frequency: int = 1
     bias_correction: bool = True
     shape_scale: str = "none"
+    eps_mode: Literal["relative", "absolute"] = "relative"
+    root_dtype: str = "float32"
 
     def __post_init__(self) -> None:
         _check_betas(self, self.betas, beta2_closed=False)
         _check_nonneg(self, "eps", self.eps)
         _check_pos_int(self, "precondition_frequency", self.precondition_frequency)
-        if not isinstance(self.bias_correction, bool):
-            _fail(self, "bias_correction", "a bool", self.bias_correction)
+        _check_bool(self, "bias_correction", self.bias_correction)
         _check_choice(self, "shape_scale", self.shape_scale, _SHAPE_SCALES)
+        _check_choice(self, "eps_mode", self.eps_mode, _EPS_MODES)
+        _check_choice(self, "root_dtype", self.root_dtype, _ROOT_DTYPES)

@@ -1,4 +1,4 @@
-"""EMA-Gram quarter-power preconditioning (seed 000, Marin).
+"""EMA-Gram quarter-power preconditioning.
 
 Per matrix, ``betas = (b1, b2)``, step t (1-based), gradient G (m x n)::
 
@@ -7,14 +7,16 @@ Per matrix, ``betas = (b1, b2)``, step t (1-based), gradient G (m x n)::
     every k = precondition_frequency steps (t = 1, k+1, ...), per Gram X (d x d):
         Xc = X / (1 - b2^t)             (bias correction, if enabled)
         c  = tr(Xc) / d                 (normalisation: mean eigenvalue 1)
-        Xc / c = V diag(lam) V^T        (torch.linalg.eigh, fp32)
+        Xc / c = V diag(lam) V^T        (torch.linalg.eigh in root_dtype)
         X_root = c^{-1/4} V diag((max(lam, 0) + eps)^{-1/4}) V^T
+        (eps_mode "absolute": X_root = (Xc + eps I)^{-1/4} instead)
     D = L_root (M / (1 - b1^t)) R_root
     W <- W (1 - lr wd) - lr s D
 
 The Gram is normalised by its trace before the eigensolve and the
-normalisation is undone afterwards, so ``eps`` acts relative to the mean
-eigenvalue and ``D`` does not depend on the gradient scale (with a single
+normalisation is undone afterwards, so (in the default "relative" eps mode)
+``eps`` acts relative to the mean eigenvalue and ``D`` does not depend on the
+gradient scale (with a single
 gradient and no regularizer, ``D = U V^T`` of that gradient, like Muon). ``s``
 is the optional shape scale of :class:`EmaGramConfig` (1 by default). All
 state is fp32; the roots are stored in the state between refreshes.
@@ -27,7 +29,7 @@ import math
 import torch
 from torch import Tensor
 
-from ._linalg import batched_addmm, inverse_root_eigh
+from ._linalg import batched_addmm, dtype_from_name, inverse_root_eigh
 from .config import EmaGramConfig
 
 __all__ = ["emagram_direction", "emagram_init_state", "emagram_shape_scale", "emagram_step"]
@@ -69,9 +71,11 @@ def emagram_direction(
     bc1 = 1.0 - beta1**step if config.bias_correction else 1.0
     bc2 = 1.0 - beta2**step if config.bias_correction else 1.0
     if (step - 1) % config.precondition_frequency == 0:
+        relative_to = "mean" if config.eps_mode == "relative" else None
         for name in ("L", "R"):
             gram = state[name] / bc2
-            root = inverse_root_eigh(gram, 4, eps=config.eps, relative_to="mean")
+            root = inverse_root_eigh(gram, 4, eps=config.eps, relative_to=relative_to,
+                                     dtype=dtype_from_name(config.root_dtype))
             state[f"{name}_root"].copy_(root)
     return state["L_root"] @ (state["exp_avg"] / bc1) @ state["R_root"]
 

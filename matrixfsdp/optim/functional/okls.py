@@ -1,4 +1,4 @@
-"""Online KL Shampoo (OKLS, seed 003; reference release tilde-research/online-kl-shampoo-release).
+"""Online KL Shampoo (OKLS; reference release tilde-research/online-kl-shampoo-release).
 
 Per matrix G (m x n), beta1, beta2, eps, step t (1-based), current lr and the
 initial lr ``lr0``:

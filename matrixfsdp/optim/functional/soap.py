@@ -13,7 +13,8 @@ means ``b2``), refresh period k = ``precondition_frequency``:
       M' <- b1 M' + (1 - b1) G'           (first moment, rotated space)
       V' <- b2 V' + (1 - b2) G' * G'      (second moment, rotated space)
       D  = Q_L (M' / (sqrt(V') + eps)) Q_R^T
-      W <- W (1 - lr wd) - lr sqrt(1 - b2^t) / (1 - b1^t) D   (bias correction on)
+      W <- W - lr sqrt(1 - b2^t) / (1 - b1^t) D   (bias correction on)
+      W <- W (1 - lr wd)                           (decoupled decay, after the update)
       L <- bs L + (1 - bs) G G^T,  R <- bs R + (1 - bs) G^T G
       if t % k == 0: refresh the bases.
 
@@ -26,8 +27,9 @@ means ``b2``), refresh period k = ``precondition_frequency``:
   step (the EMA is linear), at 4 GEMMs per refresh instead of 2 per step.
   ``V'`` is only permuted, not rotated, as in SOAP.
 
-All state is fp32. Weight decay is decoupled and applied before the update
-(the reference applies it after, a difference of order lr^2 * wd).
+``eps`` is Adam's absolute epsilon in the rotated space, as in the reference
+implementation (nikhilvyas/SOAP), whose conventions this follows throughout,
+including the order of the weight decay. All state is fp32.
 """
 
 from __future__ import annotations
@@ -140,5 +142,5 @@ def soap_step(
     direction = soap_direction(grad.float(), state, step, config)
     if direction is None:
         return
-    param.mul_(1 - lr * weight_decay)
     param.add_(direction, alpha=-lr)
+    param.mul_(1 - lr * weight_decay)
