@@ -137,6 +137,7 @@ def _launch(cfg: TrainConfig, *, resume: bool, label: str) -> bool:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
+    from . import faults
     from .train import PROGRESS_DESC_ENV
 
     out = Path(cfg.out)
@@ -144,6 +145,7 @@ def _launch(cfg: TrainConfig, *, resume: bool, label: str) -> bool:
     (out / "config.json").write_text(cfg.model_dump_json(indent=2) + "\n")
     argv = ["--nproc-per-node", str(cfg.nproc), "--standalone", "-m", "matrixfsdp.launch.train",
             "--config", str(out / "config.json"), *(["--resume"] if resume else [])]
+    os.environ.setdefault(faults.SHARE_STORE_ENV, "1")  # as matrixfsdp train: see [Note: restarts]
     os.environ[PROGRESS_DESC_ENV] = label
     try:
         run(get_args_parser().parse_args(argv))
