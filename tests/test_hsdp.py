@@ -40,6 +40,7 @@ from .dist_utils import run_subtests, run_world
 from .models import TinyTransformer, global_batch, lm_loss, local_batch
 from .test_checkpoint import _assert_state_equal, _state, _values
 from .test_optim_dist import ReferenceStepper
+from .test_streams import hsdp_checker_has_teeth, race_free_training
 
 GRAD_RTOL = 1e-6
 PARAM_RTOL = 1e-5
@@ -465,6 +466,10 @@ def _world(rank: int, world: int, root: str) -> None:
     subtests["activation_checkpointing_2x2"] = functools.partial(
         _free_running, rank, world, (2, 2), "muon", steps=3, checkpointing=True)
     subtests["clip_2x2"] = functools.partial(_clip, rank, world, (2, 2))
+    subtests["streams_race_free_2x2"] = functools.partial(
+        race_free_training, rank, world, mesh=_mesh((2, 2)), micro=2, keep_reducing=True)
+    subtests["streams_checker_has_teeth_2x2"] = functools.partial(
+        hsdp_checker_has_teeth, rank, world, _mesh((2, 2)))
     subtests["expert_slices_2x2"] = functools.partial(_expert_slices, rank, world)
     subtests["plan_and_hash"] = functools.partial(_plan_and_hash, rank, world)
     subtests["unnamed_mesh"] = functools.partial(_unnamed_mesh, rank, world)

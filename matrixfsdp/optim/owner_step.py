@@ -53,7 +53,8 @@ def init_owned_state(
             tensors[block_state_key(key, index, len(blocks))] = value.contiguous()
     if isinstance(p, DTensor):
         tensors = {k: _as_stack_dtensor(v, p) for k, v in tensors.items()}
-    tensors["step"] = torch.zeros((), dtype=torch.float32)
+    # A host tensor on every device, as torch.optim keeps it: reading it never syncs a device.
+    tensors["step"] = torch.zeros((), dtype=torch.float32, device="cpu")
     return tensors
 
 
