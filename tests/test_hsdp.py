@@ -36,7 +36,7 @@ from .checks import (
     full_values,
     reference_values,
 )
-from .dist_utils import run_subtests, run_world
+from .dist_utils import device_type, run_subtests, run_world
 from .models import TinyTransformer, global_batch, lm_loss, local_batch
 from .test_checkpoint import _assert_state_equal, _state, _values
 from .test_optim_dist import ReferenceStepper
@@ -50,7 +50,7 @@ LR = {"muon": 0.02, "okls": 0.01}
 
 def _mesh(shape: tuple[int, int], named: bool = True):
     names = ("replicate", "shard") if named else None
-    return init_device_mesh("cpu", shape, mesh_dim_names=names)
+    return init_device_mesh(device_type(), shape, mesh_dim_names=names)
 
 
 def _pair(**model_kwargs) -> tuple[nn.Module, nn.Module]:
@@ -495,6 +495,21 @@ def world4(tmp_path_factory: pytest.TempPathFactory) -> str:
     root = tmp_path_factory.mktemp("hsdp")
     run_world(4, _world, str(root))
     return str(root)
+
+
+def _world_on_device(rank: int, world: int) -> None:
+    """The 2x2 parity subtests, on whatever device the world runs on."""
+    run_subtests(rank, {
+        "grads_unused_frozen_2x2": functools.partial(_grads_unused_frozen, rank, world, (2, 2)),
+        "muon_5_steps_2x2": functools.partial(_free_running, rank, world, (2, 2), "muon"),
+        "accumulation_2x2": functools.partial(_accumulation, rank, world, (2, 2)),
+        "clip_2x2": functools.partial(_clip, rank, world, (2, 2)),
+    })
+
+
+@pytest.mark.gpu
+def test_hsdp_on_cuda() -> None:
+    run_world(4, _world_on_device, device="cuda")
 
 
 def test_hsdp_world4(world4: str) -> None:

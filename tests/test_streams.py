@@ -16,11 +16,11 @@ import torch
 from torch import nn
 
 import matrixfsdp as mf
-from matrixfsdp.devices import HostOps
+from matrixfsdp.devices import CudaOps, HostOps
 from matrixfsdp.runtime import streams as runtime_streams
 
 from .checks import assert_close_dicts, full_values, reference_values
-from .dist_utils import run_subtests, run_world
+from .dist_utils import run_subtests, run_world, test_device
 from .models import TinyTransformer, global_batch, lm_loss, local_batch
 from .stream_check import CheckedOps, checked_comms, checking, count_host_syncs
 
@@ -126,14 +126,16 @@ def _is_step_counter(opt: torch.optim.Optimizer, t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and any(s.get("step") is t for s in opt.state.values())
 
 
-def _host_syncs(rank: int, world: int, *, eager: bool) -> None:
-    """One synchronisation per backward (the presence flags), one per step (skip_nonfinite)."""
+def _host_syncs(rank: int, world: int, *, checked: bool) -> None:
+    """One synchronisation per backward (the presence flags), one per step (skip_nonfinite).
+
+    ``checked``: the eager stream path under ``CheckedOps`` (CPU); else the device's own
+    ``DeviceOps`` (the host stand-in on CPU, real streams on CUDA).
+    """
     _, model = _wrapped()
     state = mf.get_state(model)
-    if eager:
+    if checked:
         checked_comms(state, CheckedOps())
-    else:
-        assert isinstance(state.streams.bind(torch.device("cpu")).ops, HostOps)
     opt = mf.MatrixOptimizer(model, "muon", lr=0.02, skip_nonfinite=True)
     owns = bool(state.groups) and any(g.trainable_by[state.comm.rank] for g in state.groups)
     for step in range(3):
@@ -149,6 +151,9 @@ def _host_syncs(rank: int, world: int, *, eager: bool) -> None:
         assert len(backward) == (1 if owns else 0), (step, backward)
         assert clip == [], clip
         assert len(stepping) == 1, (step, stepping)  # the skip decision: bool(isfinite(norm))
+    if not checked:
+        expected = CudaOps if test_device().type == "cuda" else HostOps
+        assert type(state.streams.ops) is expected and state.streams.eager == expected.overlaps
 
 
 def _world(rank: int, world: int) -> None:
@@ -159,11 +164,21 @@ def _world(rank: int, world: int) -> None:
         "race_free_p2p_checkpointing": functools.partial(
             race_free_training, rank, world, steps=1, collectives="p2p"),
         "checker_has_teeth": functools.partial(_checker_has_teeth, rank, world),
-        "host_syncs_host_path": functools.partial(_host_syncs, rank, world, eager=False),
-        "host_syncs_eager_path": functools.partial(_host_syncs, rank, world, eager=True),
+        "host_syncs_host_path": functools.partial(_host_syncs, rank, world, checked=False),
+        "host_syncs_eager_path": functools.partial(_host_syncs, rank, world, checked=True),
     })
 
 
-@pytest.mark.parametrize("world", [2])
-def test_streams_and_host_syncs(world: int) -> None:
-    run_world(world, _world)
+def test_streams_and_host_syncs() -> None:
+    run_world(2, _world)
+
+
+def _world_on_device(rank: int, world: int) -> None:
+    run_subtests(rank, {"host_syncs": functools.partial(_host_syncs, rank, world, checked=False)})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [1, 2])
+def test_host_syncs_on_cuda(world: int) -> None:
+    """The real stream path: the same bound (run it under TORCH_CUDA_SANITIZER=1 as well)."""
+    run_world(world, _world_on_device, device="cuda")
