@@ -7,8 +7,11 @@ the checker is shown to have teeth. Host synchronisations are counted by constru
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
+import warnings
+from collections.abc import Iterator
 from unittest import mock
 
 import pytest
@@ -173,8 +176,46 @@ def test_streams_and_host_syncs() -> None:
     run_world(2, _world)
 
 
+@contextlib.contextmanager
+def _cuda_syncs() -> Iterator[list[str]]:
+    """Synchronising CUDA calls torch reports (``set_sync_debug_mode``), also from C++."""
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            calls: list[str] = []
+            yield calls
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+        calls.extend(str(w.message).splitlines()[0] for w in caught
+                     if "synchroniz" in str(w.message))
+
+
+def _cuda_sync_debug(rank: int, world: int) -> None:
+    """The same bound as torch's own sync detector sees it (after a warm-up step)."""
+    _, model = _wrapped()
+    state = mf.get_state(model)
+    opt = mf.MatrixOptimizer(model, "muon", lr=0.02, skip_nonfinite=True)
+    owns = any(g.trainable_by[state.comm.rank] for g in state.groups)
+    for step in range(3):
+        loss = lm_loss(model, local_batch(global_batch(step), rank, world))
+        with _cuda_syncs() as backward:
+            loss.backward()
+        with _cuda_syncs() as stepping:
+            mf.clip_grad_norm_(model, 1.0)
+            opt.step()
+            opt.zero_grad()
+        if step:
+            assert len(backward) <= (1 if owns else 0), (step, backward)
+            assert len(stepping) <= 1, (step, stepping)
+
+
 def _world_on_device(rank: int, world: int) -> None:
-    run_subtests(rank, {"host_syncs": functools.partial(_host_syncs, rank, world, checked=False)})
+    run_subtests(rank, {
+        "host_syncs": functools.partial(_host_syncs, rank, world, checked=False),
+        "cuda_sync_debug": functools.partial(_cuda_sync_debug, rank, world),
+    })
 
 
 @pytest.mark.gpu

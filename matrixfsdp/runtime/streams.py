@@ -25,6 +25,12 @@ so on CPU (``HostOps``, no real streams) the consume step is deferred to the wor
 which keeps the gloo transfer overlapped with host compute. NVSHMEM's ``Pending.wait()`` makes
 the current stream wait an event of its own stream: the same contract as NCCL. Either way
 ``PendingWork.event`` is the event recorded on the side stream after the consume step.
+What ``wait()`` does not give: it orders only the stream current at the call, and only after
+the transfer, not after a copy-out issued behind it; hence compute waits the episode's event,
+never the ``Work``. Not needed: waiting the ``Work`` again on compute, or a host ``synchronize``.
+Memory NCCL itself reads or writes is kept from reuse by ProcessGroupNCCL until its stream is
+done (``record_stream`` on that stream, or the tensors held by the ``Work`` until ``wait()``,
+per ``TORCH_NCCL_AVOID_RECORD_STREAMS``), so the rules below cover the runtime's own streams.
 - Every episode starts with ``side.wait_stream(compute)``: its inputs (owned values, gradients,
   storage just allocated) were produced in compute order, and memory the side stream reuses
   from its own pool may have been read by compute before it was freed.
@@ -56,6 +62,13 @@ with it. Hence:
      frees them at will, because every later episode of their stream starts after compute.
 3. Parameters are mutated only after ``quiesce()`` (``MatrixOptimizer.step``, loads), which
    retires every gather and lands every reduction, so compute has waited every event first.
+Compared with FSDP2 (``torch/distributed/fsdp/_fully_shard``): it copies in on
+``all_gather_copy_in_stream``, gathers on ``all_gather_stream`` and copies out on compute; packs
+gradients on compute, then reduce-scatters, divides and views out on ``reduce_scatter_stream``
+(HSDP: all-reduces on ``all_reduce_stream``); compute waits each group's ``post_reduce_event``
+at the end of backward, and buffers are held by reference until their events were waited rather
+than ``record_stream``-ed. Here the gather's copy-out and the reduction's copy-in also leave
+compute, which two ``record_stream`` calls pay for.
 On CPU every stream is the host thread and every rule holds trivially; the same control flow
 runs with ``HostOps``. Tests run the eager (CUDA) control flow on CPU under a happens-before
 checker (tests/stream_check.py) to check these rules.
