@@ -65,11 +65,9 @@ def _child(rank: int, world: int, port: int, device: str, fn: Callable, args: tu
         )
         timeout = datetime.timedelta(seconds=120)
         if device == "cuda":
+            _deterministic_cuda()
             _device = torch.device("cuda", rank)
             torch.cuda.set_device(_device)
-            # fp32 everywhere, as on the CPU: the references are compared at fp32 tolerances.
-            torch.backends.cuda.matmul.allow_tf32 = False
-            torch.backends.cudnn.allow_tf32 = False
             dist.init_process_group("nccl", rank=rank, world_size=world, timeout=timeout,
                                     device_id=_device)
         else:
@@ -80,6 +78,19 @@ def _child(rank: int, world: int, port: int, device: str, fn: Callable, args: tu
         queue.put((rank, None))
     except BaseException:  # report everything, including assertion errors, to the parent
         queue.put((rank, traceback.format_exc()))
+
+
+def _deterministic_cuda() -> None:
+    """fp32 math and run-to-run identical kernels, as on the CPU: the tests compare against fp32
+    references and, after a checkpoint round trip, bit for bit."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before the first cuBLAS call
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    for backend in ("flash", "mem_efficient", "cudnn"):  # attention: the plain math kernels
+        enable = getattr(torch.backends.cuda, f"enable_{backend}_sdp", None)
+        if enable is not None:
+            enable(False)
 
 
 def run_world(world: int, fn: Callable, *args: Any, device: str = "cpu",

@@ -237,7 +237,7 @@ def _torch_class_and_scheduler(rank: int, world: int) -> None:
     _, model_b = _pair()
     mf.fully_shard_matrix(model_a)
     mf.fully_shard_matrix(model_b)
-    opt_a = _make_opt(model_a, "muon")
+    opt_a = _make_opt(model_a, "muon", batch_same_shape=False)  # as the class: one at a time
     opt_b = mf.MatrixOptimizer(model_b, optimizer=torch.optim.Muon, lr=0.02, weight_decay=0.1,
                                tail_lr=1e-2, tail_weight_decay=0.1)
     scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (1 + s)) for o in (opt_a, opt_b)]
