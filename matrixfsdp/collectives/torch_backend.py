@@ -20,18 +20,27 @@ ReduceImpl = Literal["auto", "alltoall", "reduce"]
 class TorchOwnerComm(OwnerComm):
     """Owner-segment collectives on a ``ProcessGroup`` (see [Note: owner segments]).
 
-    ``gather_impl``: ``"alltoall"`` issues one uneven ``all_to_all_single`` per group (each rank
-    sends its segment to every peer, no padding); ``"broadcast"`` issues one broadcast per
-    non-empty segment. ``reduce_impl``: ``"alltoall"`` sends each owner its segment in one uneven
-    all-to-all and sums locally; ``"reduce"`` issues one ``reduce(dst=owner)`` per non-empty
-    segment. All four work on gloo and NCCL.
+    Every form reads the owner's matrices where they live and writes each peer's straight into
+    the destination it was given (``all_gather_into``), so a gather holds no buffer besides the
+    gathered matrices. ``gather_impl``: ``"alltoall"`` is one *exchange* per group: every owner
+    sends each of its matrices to every peer, every peer receives each into its storage (one
+    ``batch_isend_irecv``: the traffic of an uneven all-to-all without its packed send and
+    receive buffers); ``"broadcast"`` issues one broadcast per matrix from its owner.
+    ``reduce_impl``, on the packed gradient buffer: ``"alltoall"`` exchanges too (each rank sends
+    segment ``r`` to rank ``r``, the owner receives its ``N − 1`` peers' copies into as many
+    buffers and sums them into its own segment on ``wait()``); ``"reduce"`` issues one
+    ``reduce(dst=owner)`` per non-empty segment, in place in the packed buffer (no other
+    buffer). All four work on gloo and NCCL (uneven sizes, empty segments skipped).
 
     ``"auto"`` (the default for both) decides per call from the segment sizes, which come from
-    the plan and so agree on every rank: with ``k`` non-empty segments among ``N`` ranks, the
-    all-to-all makes each owner send its segment ``N − 1`` times, about ``(N − 1) / k`` times
-    the bytes of a pipelined broadcast (or reduce) per segment. One all-to-all wins while
-    ``k ≥ (N − 1) / 2`` (small worlds, or groups spread over most ranks); past that, the
-    broadcast/reduce form does (many ranks per group, e.g. 64 ranks and 7 matrices per block).
+    the plan and so agree on every rank, weighing bandwidth and bytes held. Bandwidth: with
+    ``k`` non-empty segments among ``N`` ranks, the exchange makes each owner send its segment
+    ``N − 1`` times, about ``(N − 1) / k`` times the bytes of a pipelined broadcast (or reduce)
+    per segment; it wins while ``k ≥ (N − 1) / 2`` (small worlds, or groups spread over most
+    ranks); past that the broadcast/reduce form does (e.g. 64 ranks, 7 matrices per block).
+    Memory: the gather forms hold nothing extra, but the reduction exchange holds ``N − 1``
+    received copies of the owner's segment where ``reduce`` holds none, so ``"auto"`` reduces by
+    exchange only while that is a single copy (``N = 2``), and by ``reduce`` otherwise.
     """
 
     def __init__(
@@ -63,56 +72,56 @@ class TorchOwnerComm(OwnerComm):
             for r in range(self.world_size)
         ]
 
-    def _use_p2p(self, impl: str, numels: Sequence[int]) -> bool:
-        return uses_p2p(impl, numels, self.world_size)
-
     # -- all-gather-v -----------------------------------------------------------------------------
     def all_gather_v(
         self, own: torch.Tensor, numels: Sequence[int], *, async_op: bool = False
     ) -> tuple[list[torch.Tensor], Pending]:
         if own.numel() != numels[self.rank]:
             raise ValueError(f"own segment has {own.numel()} elements, plan says {numels[self.rank]}")
+        segments = [own if r == self.rank else own.new_empty(n) for r, n in enumerate(numels)]
+        pending = self.all_gather_into([[s] for s in segments], async_op=async_op)
+        return segments, pending
+
+    def all_gather_into(
+        self, parts: Sequence[Sequence[torch.Tensor]], *, async_op: bool = False
+    ) -> Pending:
+        if len(parts) != self.world_size:
+            raise ValueError(f"{len(parts)} parts for a group of {self.world_size} ranks")
         if self.world_size == 1:
-            return [own], Pending()
-        if self._use_p2p(self.gather_impl, numels):
-            return self._gather_broadcast(own, numels, async_op)
-        return self._gather_alltoall(own, numels, async_op)
+            return Pending()
+        numels = [sum(t.numel() for t in part) for part in parts]
+        if uses_p2p(self.gather_impl, numels, self.world_size):
+            return self._gather_broadcast(parts, async_op)
+        return self._gather_exchange(parts, numels, async_op)
 
-    def _gather_alltoall(
-        self, own: torch.Tensor, numels: Sequence[int], async_op: bool
-    ) -> tuple[list[torch.Tensor], Pending]:
-        me, n = self.rank, self.world_size
-        in_splits = [0 if r == me else numels[me] for r in range(n)]
-        out_splits = [0 if r == me else numels[r] for r in range(n)]
-        send = own.repeat(n - 1) if numels[me] else own.new_empty(0)
-        recv = own.new_empty(sum(out_splits))
+    def _gather_exchange(
+        self, parts: Sequence[Sequence[torch.Tensor]], numels: Sequence[int], async_op: bool
+    ) -> Pending:
+        me = self.rank
+        peers = [r for r in range(self.world_size) if r != me]
+        # Per pair and direction, sends and receives follow plan order on both sides.
+        sends = [(r, t) for r in peers for t in parts[me]]
+        recvs = [(r, t) for r in peers for t in parts[r]]
         with record_function("matrixfsdp::all_gather_v"):
-            work = dist.all_to_all_single(
-                recv, send, out_splits, in_splits, group=self.group, async_op=async_op
-            )
-        self.counter.record("all_gather_v", _nbytes(send), _nbytes(recv), dim=self.dim)
-        segments = list(torch.split(recv, out_splits))
-        segments[me] = own
-        return segments, Pending([work] if async_op else [], keepalive=(send, recv))
+            works = self._exchange(sends, recvs)
+        itemsize = _itemsize(parts)
+        self.counter.record("all_gather_v", numels[me] * itemsize * len(peers),
+                            (sum(numels) - numels[me]) * itemsize, dim=self.dim)
+        return _issued(works, async_op, keepalive=[t for part in parts for t in part])
 
-    def _gather_broadcast(
-        self, own: torch.Tensor, numels: Sequence[int], async_op: bool
-    ) -> tuple[list[torch.Tensor], Pending]:
-        segments, works = [], []
+    def _gather_broadcast(self, parts: Sequence[Sequence[torch.Tensor]], async_op: bool) -> Pending:
+        works = []
         with record_function("matrixfsdp::all_gather_v"):
-            for r, numel in enumerate(numels):
-                buf = own if r == self.rank else own.new_empty(numel)
-                segments.append(buf)
-                if numel == 0:
-                    continue
-                work = dist.broadcast(
-                    buf, src=self._global_ranks[r], group=self.group, async_op=async_op
-                )
-                works.append(work)
-                sent = _nbytes(buf) * (self.world_size - 1) if r == self.rank else 0
-                self.counter.record("all_gather_v", sent, 0 if r == self.rank else _nbytes(buf),
-                                    dim=self.dim)
-        return segments, Pending(works if async_op else [], keepalive=segments)
+            for r, part in enumerate(parts):
+                for t in part:
+                    if t.numel() == 0:
+                        continue
+                    works.append(dist.broadcast(
+                        t, src=self._global_ranks[r], group=self.group, async_op=async_op))
+                    mine = r == self.rank
+                    self.counter.record("all_gather_v", _nbytes(t) * (self.world_size - 1) if mine
+                                        else 0, 0 if mine else _nbytes(t), dim=self.dim)
+        return _issued(works, async_op, keepalive=[t for part in parts for t in part])
 
     # -- reduce-to-owners -------------------------------------------------------------------------
     def reduce_to_owners(
@@ -120,50 +129,54 @@ class TorchOwnerComm(OwnerComm):
     ) -> tuple[torch.Tensor, Pending]:
         if flat.numel() != sum(numels):
             raise ValueError(f"buffer has {flat.numel()} elements, segments sum to {sum(numels)}")
-        me = self.rank
-        offset = sum(numels[:me])
-        own = flat[offset : offset + numels[me]]
+        segments = torch.split(flat, list(numels))
+        own = segments[self.rank]
         if self.world_size == 1:
             return own, Pending()
-        if self._use_p2p(self.reduce_impl, numels):
-            return self._reduce_p2p(flat, numels, async_op)
-        return self._reduce_alltoall(flat, own, numels, async_op)
+        if uses_p2p(self.reduce_impl, numels, self.world_size, reduce=True):
+            return own, self._reduce_p2p(flat, segments, async_op)
+        return self._reduce_exchange(flat, segments, async_op)
 
-    def _reduce_alltoall(
-        self, flat: torch.Tensor, own: torch.Tensor, numels: Sequence[int], async_op: bool
+    def _reduce_exchange(
+        self, flat: torch.Tensor, segments: Sequence[torch.Tensor], async_op: bool
     ) -> tuple[torch.Tensor, Pending]:
-        # The own segment travels to itself (a local copy of one segment) so the send buffer is
-        # ``flat`` as is: cutting it out would copy every other rank's segments instead.
-        n = self.world_size
-        out_splits = [numels[self.rank]] * n
-        recv = flat.new_empty(sum(out_splits))
+        me = self.rank
+        own = segments[me]
+        peers = [r for r in range(self.world_size) if r != me]
+        sends = [(r, segments[r]) for r in peers]
+        recvs = [(r, flat.new_empty(own.numel())) for r in peers] if own.numel() else []
         with record_function("matrixfsdp::reduce_to_owners"):
-            work = dist.all_to_all_single(
-                recv, flat, out_splits, list(numels), group=self.group, async_op=async_op
-            )
-        sent = _nbytes(flat) - _nbytes(own)
-        self.counter.record("reduce_to_owners", sent, _nbytes(recv) - _nbytes(own), dim=self.dim)
-        return _SumOnWait.result(own, recv, n, work if async_op else None, flat)
+            works = self._exchange(sends, recvs)
+        self.counter.record("reduce_to_owners", _nbytes(flat) - _nbytes(own),
+                            _nbytes(own) * len(peers), dim=self.dim)
+        pending = _SumOnWait(own, [buf for _, buf in recvs], works, keepalive=(flat,))
+        if not async_op:
+            pending.wait()
+        return own, pending
 
     def _reduce_p2p(
-        self, flat: torch.Tensor, numels: Sequence[int], async_op: bool
-    ) -> tuple[torch.Tensor, Pending]:
-        works, offset, own = [], 0, flat[:0]
+        self, flat: torch.Tensor, segments: Sequence[torch.Tensor], async_op: bool
+    ) -> Pending:
+        works = []
         with record_function("matrixfsdp::reduce_to_owners"):
-            for r, numel in enumerate(numels):
-                segment = flat[offset : offset + numel]
-                offset += numel
-                if r == self.rank:
-                    own = segment
-                if numel == 0:
+            for r, segment in enumerate(segments):
+                if segment.numel() == 0:
                     continue
-                work = dist.reduce(
-                    segment, dst=self._global_ranks[r], group=self.group, async_op=async_op
-                )
-                works.append(work)
+                works.append(dist.reduce(
+                    segment, dst=self._global_ranks[r], group=self.group, async_op=async_op))
                 received = _nbytes(segment) * (self.world_size - 1) if r == self.rank else 0
                 self.counter.record("reduce_to_owners", _nbytes(segment), received, dim=self.dim)
-        return own, Pending(works if async_op else [], keepalive=(flat,))
+        return _issued(works, async_op, keepalive=(flat,))
+
+    # -- point-to-point ---------------------------------------------------------------------------
+    def _exchange(self, sends: Sequence[tuple[int, torch.Tensor]],
+                  recvs: Sequence[tuple[int, torch.Tensor]]) -> list[object]:
+        """Post every send and receive (group ranks, non-empty tensors) as one batch."""
+        ops = [dist.P2POp(dist.isend, t, self._global_ranks[r], group=self.group)
+               for r, t in sends if t.numel()]
+        ops += [dist.P2POp(dist.irecv, t, self._global_ranks[r], group=self.group)
+                for r, t in recvs if t.numel()]
+        return list(dist.batch_isend_irecv(ops)) if ops else []
 
     # -- scalars ----------------------------------------------------------------------------------
     def all_reduce_scalar(self, value: torch.Tensor, op: str = "sum") -> torch.Tensor:
@@ -196,38 +209,41 @@ class TorchReplicateComm(ReplicateComm):
         return Pending([work] if async_op else [], keepalive=(tensor,))
 
 
-def uses_p2p(impl: str, numels: Sequence[int], world_size: int) -> bool:
-    """Whether a group moves by one broadcast/reduce per segment instead of one all-to-all."""
+def uses_p2p(impl: str, numels: Sequence[int], world_size: int, *, reduce: bool = False) -> bool:
+    """Whether a group moves by broadcasts (gather) or reduces (``reduce=True``) instead of one
+    exchange; ``"auto"`` follows ``TorchOwnerComm``'s rule."""
     if impl != "auto":
         return impl in ("broadcast", "reduce", "p2p")
+    if reduce and world_size > 2:  # the exchange would hold N − 1 > 1 received segments
+        return True
     owners = sum(1 for n in numels if n)
     return owners < (world_size - 1) / 2
 
 
-class _SumOnWait(Pending):
-    """Pending all-to-all whose ``peers`` received segments are summed into ``own`` on wait()."""
+def _issued(works: Sequence[object], async_op: bool, keepalive: Sequence[object]) -> Pending:
+    pending = Pending([w for w in works if w is not None], keepalive=keepalive)  # sync: None
+    if not async_op:
+        pending.wait()
+    return pending
 
-    def __init__(
-        self, own: torch.Tensor, recv: torch.Tensor, peers: int, work: object, send: torch.Tensor
-    ) -> None:
-        super().__init__([work] if work is not None else [], keepalive=(send,))
-        self._own, self._recv, self._peers = own, recv, peers
+
+class _SumOnWait(Pending):
+    """A reduction exchange: on ``wait()`` the peers' received copies are summed into ``own``."""
+
+    def __init__(self, own: torch.Tensor, received: list[torch.Tensor], works: Sequence[object],
+                 keepalive: Sequence[object]) -> None:
+        super().__init__(works, keepalive=keepalive)
+        self._own, self._received = own, received
 
     def wait(self) -> None:
         super().wait()
-        if self._recv is not None and self._own.numel():
-            # Every rank's copy of our segment, ours included: sum straight into place.
-            torch.sum(self._recv.view(self._peers, -1), dim=0, out=self._own)
-        self._recv = None
+        for copy in self._received:  # rank order: the same sum on every run
+            self._own.add_(copy)
+        self._received = []
 
-    @classmethod
-    def result(
-        cls, own: torch.Tensor, recv: torch.Tensor, peers: int, work: object, send: torch.Tensor
-    ) -> tuple[torch.Tensor, Pending]:
-        pending = cls(own, recv, peers, work, send)
-        if work is None:
-            pending.wait()
-        return own, pending
+
+def _itemsize(parts: Sequence[Sequence[torch.Tensor]]) -> int:
+    return next((t.element_size() for part in parts for t in part), 0)
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -79,7 +79,7 @@ class MatrixGroup:
         self.trainable_by = [[p for p in owned if p.requires_grad] for owned in self.owned_by]
         self.reduce_numels = [sum(p.numel + 1 for p in owned) for owned in self.trainable_by]
         self.state = GroupState.SHARDED
-        self._gather: tuple[list[torch.Tensor], Pending] | None = None
+        self._gather: Pending | None = None
         self.begin_iteration()
 
     def begin_iteration(self) -> None:
@@ -94,30 +94,21 @@ class MatrixGroup:
             return
         for p in self.params:
             p.alloc()
-        mine = self.owned_by[self.comm.rank]
-        if len(mine) == 1:
-            own = mine[0].own_values()
-        elif mine:
-            own = torch.cat([p.own_values() for p in mine])
-        else:
-            own = torch.empty(0, dtype=self._gather_dtype(), device=self._device())
-        self._gather = self.comm.all_gather_v(own, self.gather_numels, async_op=async_op)
+        # Each segment as its matrices: the owner's are sent from where they live, the peers'
+        # land straight in their (just allocated) storage.
+        parts = [[p.own_values() if rank == self.comm.rank else p.gather_target() for p in owned]
+                 for rank, owned in enumerate(self.owned_by)]
+        self._gather = self.comm.all_gather_into(parts, async_op=async_op)
         self.state = GroupState.GATHERING
         if not async_op:
             self.wait_unshard()
 
     def wait_unshard(self) -> None:
-        """Finish an in-flight gather: copy every peer's segment into its matrices."""
+        """Finish an in-flight gather (every peer's matrices are then in their storage)."""
         if self.state is not GroupState.GATHERING:
             return
         assert self._gather is not None  # internal invariant of the state machine
-        segments, pending = self._gather
-        pending.wait()
-        for rank, owned in enumerate(self.owned_by):
-            if rank == self.comm.rank or not owned:
-                continue
-            for p, flat in zip(owned, torch.split(segments[rank], [p.numel for p in owned]), strict=False):
-                p.write(flat)
+        self._gather.wait()
         self._gather = None
         self.state = GroupState.UNSHARDED
 
@@ -129,7 +120,7 @@ class MatrixGroup:
         """
         if self.state is GroupState.GATHERING:
             assert self._gather is not None  # internal invariant of the state machine
-            self._gather[1].wait()
+            self._gather.wait()
             self._gather = None
         for p in self.params:
             p.free()
@@ -224,9 +215,6 @@ class MatrixGroup:
     # -- helpers ----------------------------------------------------------------------------------
     def _device(self) -> torch.device:
         return self.params[0].device
-
-    def _gather_dtype(self) -> torch.dtype:
-        return self.params[0].compute_dtype
 
     def _reduce_dtype(self) -> torch.dtype:
         return self.reduce_dtype or self.params[0].dtype
