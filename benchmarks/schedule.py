@@ -165,21 +165,24 @@ def _owner_segments(setup: Setup, unit: str) -> dict[int, tuple[int, int]]:
     return seg
 
 
-def _unit_impl(impl: str, kind: str, owners: int, n: int) -> str:
-    """``TorchOwnerComm``'s "auto" rule: gathers exchange while a group's owners number at least
-    (N − 1) / 2, else broadcast; reductions exchange only at N = 2 (beyond, the owner would hold
-    N − 1 received segments), else reduce in place."""
-    if impl != "auto":
-        return impl
-    if kind == "reduce" and n > 2:
-        return "p2p"
-    return "alltoall" if owners >= (n - 1) / 2 else "p2p"
+def _forms(impl: str, owners: int, n: int, gloo: bool) -> tuple[str, str]:
+    """(gather, reduce) forms of one group, by ``TorchOwnerComm``'s rule (its docstring):
+    "p2p" is broadcast per matrix / reduce per segment, "alltoall" the exchange; "auto" on gloo
+    broadcasts and all-reduces, on NCCL exchanges gathers while owners >= (N - 1) / 2 and
+    reduces per segment."""
+    if impl == "p2p":
+        return "broadcast", "reduce"
+    if impl == "alltoall":
+        return "alltoall", "alltoall"
+    if gloo:
+        return "broadcast", "allreduce"
+    return ("alltoall" if owners >= (n - 1) / 2 else "broadcast"), "reduce"
 
 
 def _matrixfsdp(setup: Setup, impl: str) -> list[Op]:
     """``impl``: "alltoall" (one exchange of point-to-point sends per group, the traffic of an
     uneven all-to-all), "p2p" (one broadcast per matrix, one reduce per owner segment), or
-    "auto" (the library default, ``_unit_impl``). Under HSDP inside the shard group, and each
+    "auto" (the library default, ``_forms``). Under HSDP inside the shard group, and each
     owner's summed segment is then all-reduced over its replicate group (one call per group and
     owner, values and presence flags)."""
     n, d = setup.shard, setup.dtypes
@@ -190,20 +193,23 @@ def _matrixfsdp(setup: Setup, impl: str) -> list[Op]:
             seg = _owner_segments(setup, unit)
             if not seg:
                 continue
+            gather, reduce = _forms(impl, len(seg), n, setup.gloo)
             for kind in kinds:
                 if n == 1:  # one rank per shard group: nothing moves inside it
                     continue
-                unit_impl = _unit_impl(impl, kind, len(seg), n)
-                if kind == "gather" and unit_impl == "alltoall":
+                if kind == "gather" and gather == "alltoall":
                     pairs = {(o, r): e * d.gather for o, (e, _) in seg.items() for r in range(n)}
                     ops.append(_a2a(phase, n, pairs, group=g))
                 elif kind == "gather":
                     ops += [Op(phase, "broadcast", numel(p.shape) * d.gather,
                                root=int(p.owner_rank), group=g)  # type: ignore[arg-type]
                             for p in setup.params_of(unit, "matrix")]
-                elif unit_impl == "alltoall":
+                elif reduce == "alltoall":
                     pairs = {(r, o): (e + c) * d.grad for o, (e, c) in seg.items() for r in range(n)}
                     ops.append(_a2a(phase, n, pairs, group=g))
+                elif reduce == "allreduce":
+                    flat = sum(e + c for e, c in seg.values()) * d.grad
+                    ops.append(Op(phase, "all_reduce", flat, group=g))
                 else:
                     ops += [Op(phase, "reduce", (e + c) * d.grad, root=o, group=g)
                             for o, (e, c) in seg.items()]

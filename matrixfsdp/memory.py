@@ -264,8 +264,8 @@ class MatrixMemory:
       field stays for backends that pack segments.
     - ``grads``: the group's full-size gradients (compute dtype), which every rank computes.
     - ``reduce_buffers``: a reduction's packed buffer (every trainable matrix + a presence flag,
-      reduce dtype) and, exchange form, the owner's receive buffers (N − 1 copies of its
-      segment); the ``reduce`` form reduces in place and holds nothing more.
+      reduce dtype) and, exchange form (``collectives="alltoall"``), the owner's receive buffers
+      (N − 1 copies of its segment); the forms ``"auto"`` picks reduce in place.
     - ``all_reduce_buffer``: under HSDP (``plan.mesh_shape`` with replicas), the copy of this
       rank's summed segment (values and flags) being all-reduced over its replicate group.
     ``owned`` is the bytes of the matrices this rank owns (each also gets a gradient of the same
@@ -297,8 +297,6 @@ def matrix_memory(plan: Plan, rank: int, *, collectives: str = "auto",
     runtime does); the item sizes default to the matrices' own dtype. ``rank`` is the rank in
     the plan's world: under HSDP, the shard coordinate.
     """
-    from .collectives.torch_backend import uses_p2p
-
     world = plan.world_size
     members: dict[str, list[Any]] = {}
     for m in plan.matrices:
@@ -312,8 +310,7 @@ def matrix_memory(plan: Plan, rank: int, *, collectives: str = "auto",
         own, total = numels[rank], sum(numels)
         gathered = (total - own if size == master else total) * size
         recv = 0
-        if world > 1 and not uses_p2p("reduce" if collectives == "p2p" else collectives, numels,
-                                      world, reduce=True):
+        if world > 1 and collectives == "alltoall":  # "auto" never reduces by exchange
             recv = (world - 1) * (own + counts[rank]) * red
         flat = (total + sum(counts)) * red
         all_reduce = (own + counts[rank]) * red if plan.replicate_size > 1 else 0

@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import matrixfsdp as mf
 from matrixfsdp.collectives import Phase
-from matrixfsdp.collectives.torch_backend import uses_p2p
+from matrixfsdp.collectives.torch_backend import gather_form, reduce_form
 from matrixfsdp.planner import make_plan
 from matrixfsdp.runtime.selection import default_groups, param_specs, select_params
 
@@ -113,25 +113,32 @@ def _memory_and_pinning(rank: int, world: int) -> None:
 
 
 def _collective_counts(rank: int, world: int) -> None:
-    for reshard, collectives in ((True, "alltoall"), (False, "alltoall"), (True, "p2p")):
+    for reshard, collectives in ((True, "alltoall"), (False, "alltoall"), (True, "p2p"),
+                                 (True, "auto")):
         _, model = _pair()
         mf.fully_shard_matrix(model, reshard_after_forward=reshard, collectives=collectives)
         state = mf.get_state(model)
         if collectives == "alltoall":  # one exchange per group to gather, one to reduce
             gathers = reduces = len(state.groups)
-        else:  # one broadcast per matrix, one reduce per owner segment of each group
+        elif collectives == "p2p":  # one broadcast per matrix, one reduce per owner segment
             gathers = sum(len(g.params) for g in state.groups)
             reduces = sum(sum(1 for n in g.gather_numels if n) for g in state.groups)
+        else:  # "auto" on the host: one broadcast per matrix, one all-reduce per group
+            gathers, reduces = sum(len(g.params) for g in state.groups), len(state.groups)
         not_owned = sum(
             mp.numel * mp.dtype.itemsize for mp in state.params.values() if not mp.is_owner
         )
         counter = state.comm.counter
         counter.reset()
-        # "auto": gathers exchange while a group's owners cover about half the ranks, else
-        # broadcast; reductions exchange only at 2 ranks (else N - 1 received segments).
-        assert uses_p2p("auto", [1] + [0] * (world - 1), world) == (world >= 4)
-        assert not uses_p2p("auto", [1] * world, world)
-        assert uses_p2p("auto", [1] * world, world, reduce=True) == (world > 2)
+        # "auto" on CUDA: the exchange while a group's owners cover about half the ranks, else
+        # broadcast; reduce in place per segment. On the host: broadcast, one all-reduce.
+        one_owner = [1] + [0] * (world - 1)
+        assert gather_form("auto", one_owner, world, host=False) == (
+            "broadcast" if world >= 4 else "alltoall")
+        assert gather_form("auto", [1] * world, world, host=False) == "alltoall"
+        assert gather_form("auto", [1] * world, world, host=True) == "broadcast"
+        assert reduce_form("auto", host=False) == "reduce"
+        assert reduce_form("auto", host=True) == "allreduce"
         loss = lm_loss(model, local_batch(global_batch(0), rank, world))
         fwd = counter.snapshot()[Phase.FORWARD.value]
         loss.backward()

@@ -11,36 +11,41 @@ from torch.profiler import record_function
 
 from .base import CommCounter, OwnerComm, Pending, ReplicateComm
 
-__all__ = ["TorchOwnerComm", "TorchReplicateComm", "uses_p2p"]
+__all__ = ["TorchOwnerComm", "TorchReplicateComm", "gather_form", "reduce_form"]
 
 GatherImpl = Literal["auto", "alltoall", "broadcast"]
-ReduceImpl = Literal["auto", "alltoall", "reduce"]
+ReduceImpl = Literal["auto", "alltoall", "reduce", "allreduce"]
 
 
 class TorchOwnerComm(OwnerComm):
     """Owner-segment collectives on a ``ProcessGroup`` (see [Note: owner segments]).
 
-    Every form reads the owner's matrices where they live and writes each peer's straight into
-    the destination it was given (``all_gather_into``), so a gather holds no buffer besides the
-    gathered matrices. ``gather_impl``: ``"alltoall"`` is one *exchange* per group: every owner
-    sends each of its matrices to every peer, every peer receives each into its storage (one
-    ``batch_isend_irecv``: the traffic of an uneven all-to-all without its packed send and
+    No form holds a buffer it could avoid. Gathers read the owner's matrices where they live and
+    write each peer's straight into the storage it was given (``all_gather_into``):
+    ``gather_impl="alltoall"`` is one *exchange* per group (every owner sends each of its
+    matrices to every peer, every peer receives each into its storage: one
+    ``batch_isend_irecv``, the traffic of an uneven all-to-all without its packed send and
     receive buffers); ``"broadcast"`` issues one broadcast per matrix from its owner.
-    ``reduce_impl``, on the packed gradient buffer: ``"alltoall"`` exchanges too (each rank sends
-    segment ``r`` to rank ``r``, the owner receives its ``N − 1`` peers' copies into as many
-    buffers and sums them into its own segment on ``wait()``); ``"reduce"`` issues one
-    ``reduce(dst=owner)`` per non-empty segment, in place in the packed buffer (no other
-    buffer). All four work on gloo and NCCL (uneven sizes, empty segments skipped).
+    Reductions work on the packed gradient buffer: ``reduce_impl="reduce"`` issues one
+    ``reduce(dst=owner)`` per non-empty segment and ``"allreduce"`` one ``all_reduce`` of the
+    whole buffer, both in place (nothing more held); ``"alltoall"`` exchanges (each rank sends
+    segment ``r`` to rank ``r``; the owner receives its ``N − 1`` peers' copies into as many
+    buffers and sums them into its segment on ``wait()``). Every form works on gloo and NCCL
+    (uneven sizes; empty segments are skipped).
 
     ``"auto"`` (the default for both) decides per call from the segment sizes, which come from
-    the plan and so agree on every rank, weighing bandwidth and bytes held. Bandwidth: with
-    ``k`` non-empty segments among ``N`` ranks, the exchange makes each owner send its segment
-    ``N − 1`` times, about ``(N − 1) / k`` times the bytes of a pipelined broadcast (or reduce)
-    per segment; it wins while ``k ≥ (N − 1) / 2`` (small worlds, or groups spread over most
-    ranks); past that the broadcast/reduce form does (e.g. 64 ranks, 7 matrices per block).
-    Memory: the gather forms hold nothing extra, but the reduction exchange holds ``N − 1``
-    received copies of the owner's segment where ``reduce`` holds none, so ``"auto"`` reduces by
-    exchange only while that is a single copy (``N = 2``), and by ``reduce`` otherwise.
+    the plan and so agree on every rank, and from the tensors' device (the backend):
+    - gathers: on CUDA (NCCL), the exchange while a group's ``k`` non-empty segments number at
+      least ``(N − 1) / 2``, else broadcast: the exchange makes each owner send its segment
+      ``N − 1`` times, about ``(N − 1) / k`` times the bytes of a pipelined broadcast per
+      segment. On the host (gloo) always broadcast: gloo runs collectives on its own worker
+      threads but point-to-point sends on the caller's, so the exchange's socket writes would
+      land on the training thread (its broadcast is a binomial tree, no more bytes per owner).
+    - reductions: never the exchange (it holds ``N − 1`` received segments). On CUDA one
+      ``reduce`` per segment (NCCL pipelines each; per rank about the bytes of a
+      reduce-scatter). On the host one ``all_reduce`` per group: gloo's reduce is a ring
+      reduce-scatter plus a gather, so ``k`` reduces move the bytes of one all-reduce in ``k``
+      calls of at least ``2N`` ring steps each.
     """
 
     def __init__(
@@ -56,9 +61,10 @@ class TorchOwnerComm(OwnerComm):
             raise ValueError(
                 f"gather_impl must be 'auto', 'alltoall' or 'broadcast', got {gather_impl!r}"
             )
-        if reduce_impl not in ("auto", "alltoall", "reduce"):
+        if reduce_impl not in ("auto", "alltoall", "reduce", "allreduce"):
             raise ValueError(
-                f"reduce_impl must be 'auto', 'alltoall' or 'reduce', got {reduce_impl!r}"
+                "reduce_impl must be 'auto', 'alltoall', 'reduce' or 'allreduce', got "
+                f"{reduce_impl!r}"
             )
         self.group = group
         self.rank = dist.get_rank(group)
@@ -87,10 +93,11 @@ class TorchOwnerComm(OwnerComm):
     ) -> Pending:
         if len(parts) != self.world_size:
             raise ValueError(f"{len(parts)} parts for a group of {self.world_size} ranks")
-        if self.world_size == 1:
+        like = next((t for part in parts for t in part), None)
+        if self.world_size == 1 or like is None:
             return Pending()
         numels = [sum(t.numel() for t in part) for part in parts]
-        if uses_p2p(self.gather_impl, numels, self.world_size):
+        if gather_form(self.gather_impl, numels, self.world_size, host=_on_host(like)) == "broadcast":
             return self._gather_broadcast(parts, async_op)
         return self._gather_exchange(parts, numels, async_op)
 
@@ -133,7 +140,10 @@ class TorchOwnerComm(OwnerComm):
         own = segments[self.rank]
         if self.world_size == 1:
             return own, Pending()
-        if uses_p2p(self.reduce_impl, numels, self.world_size, reduce=True):
+        form = reduce_form(self.reduce_impl, host=_on_host(flat))
+        if form == "allreduce":
+            return own, self._reduce_all(flat, async_op)
+        if form == "reduce":
             return own, self._reduce_p2p(flat, segments, async_op)
         return self._reduce_exchange(flat, segments, async_op)
 
@@ -167,6 +177,13 @@ class TorchOwnerComm(OwnerComm):
                 received = _nbytes(segment) * (self.world_size - 1) if r == self.rank else 0
                 self.counter.record("reduce_to_owners", _nbytes(segment), received, dim=self.dim)
         return _issued(works, async_op, keepalive=(flat,))
+
+    def _reduce_all(self, flat: torch.Tensor, async_op: bool) -> Pending:
+        with record_function("matrixfsdp::reduce_to_owners"):
+            work = dist.all_reduce(flat, group=self.group, async_op=async_op)
+        # The all-reduce convention of ``CommCounter``: the payload, sent and received.
+        self.counter.record("reduce_to_owners", _nbytes(flat), _nbytes(flat), dim=self.dim)
+        return _issued([work], async_op, keepalive=(flat,))
 
     # -- point-to-point ---------------------------------------------------------------------------
     def _exchange(self, sends: Sequence[tuple[int, torch.Tensor]],
@@ -209,15 +226,29 @@ class TorchReplicateComm(ReplicateComm):
         return Pending([work] if async_op else [], keepalive=(tensor,))
 
 
-def uses_p2p(impl: str, numels: Sequence[int], world_size: int, *, reduce: bool = False) -> bool:
-    """Whether a group moves by broadcasts (gather) or reduces (``reduce=True``) instead of one
-    exchange; ``"auto"`` follows ``TorchOwnerComm``'s rule."""
+def gather_form(impl: str, numels: Sequence[int], world_size: int, *,
+                host: bool) -> Literal["alltoall", "broadcast"]:
+    """The gather form ``TorchOwnerComm`` uses for ``impl`` (``"auto"``: see its rule);
+    ``host``: the matrices live on the host (gloo), else on an accelerator (NCCL)."""
+    if impl in ("broadcast", "p2p"):
+        return "broadcast"
     if impl != "auto":
-        return impl in ("broadcast", "reduce", "p2p")
-    if reduce and world_size > 2:  # the exchange would hold N − 1 > 1 received segments
-        return True
+        return "alltoall"
     owners = sum(1 for n in numels if n)
-    return owners < (world_size - 1) / 2
+    return "broadcast" if host or owners < (world_size - 1) / 2 else "alltoall"
+
+
+def reduce_form(impl: str, *, host: bool) -> Literal["alltoall", "reduce", "allreduce"]:
+    """The reduction form ``TorchOwnerComm`` uses for ``impl`` (``"auto"``: see its rule)."""
+    if impl == "p2p":
+        return "reduce"
+    if impl in ("alltoall", "reduce", "allreduce"):
+        return impl  # type: ignore[return-value]
+    return "allreduce" if host else "reduce"
+
+
+def _on_host(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu"
 
 
 def _issued(works: Sequence[object], async_op: bool, keepalive: Sequence[object]) -> Pending:

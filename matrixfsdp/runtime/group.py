@@ -116,7 +116,7 @@ class MatrixGroup:
         """Free non-owned storage (owners keep their pinned matrices).
 
         A gather still in flight is waited and its output dropped (the collective must complete
-        before its buffers can go, but nothing is copied into storage about to be freed).
+        before the storage it writes into can go).
         """
         if self.state is GroupState.GATHERING:
             assert self._gather is not None  # internal invariant of the state machine
