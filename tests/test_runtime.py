@@ -123,22 +123,23 @@ def _collective_counts(rank: int, world: int) -> None:
         elif collectives == "p2p":  # one broadcast per matrix, one reduce per owner segment
             gathers = sum(len(g.params) for g in state.groups)
             reduces = sum(sum(1 for n in g.gather_numels if n) for g in state.groups)
-        else:  # "auto" on the host: one broadcast per matrix, one all-reduce per group
+        else:  # "auto" on gloo: one broadcast per matrix, one all-reduce per group
             gathers, reduces = sum(len(g.params) for g in state.groups), len(state.groups)
         not_owned = sum(
             mp.numel * mp.dtype.itemsize for mp in state.params.values() if not mp.is_owner
         )
         counter = state.comm.counter
         counter.reset()
-        # "auto" on CUDA: the exchange while a group's owners cover about half the ranks, else
-        # broadcast; reduce in place per segment. On the host: broadcast, one all-reduce.
+        # "auto" on NCCL: the exchange while a group's owners cover about half the ranks, else
+        # broadcast; reduce in place per segment. On gloo: broadcast, one all-reduce.
         one_owner = [1] + [0] * (world - 1)
-        assert gather_form("auto", one_owner, world, host=False) == (
+        assert state.comm._on_gloo(torch.zeros(1))
+        assert gather_form("auto", one_owner, world, gloo=False) == (
             "broadcast" if world >= 4 else "alltoall")
-        assert gather_form("auto", [1] * world, world, host=False) == "alltoall"
-        assert gather_form("auto", [1] * world, world, host=True) == "broadcast"
-        assert reduce_form("auto", host=False) == "reduce"
-        assert reduce_form("auto", host=True) == "allreduce"
+        assert gather_form("auto", [1] * world, world, gloo=False) == "alltoall"
+        assert gather_form("auto", [1] * world, world, gloo=True) == "broadcast"
+        assert reduce_form("auto", gloo=False) == "reduce"
+        assert reduce_form("auto", gloo=True) == "allreduce"
         loss = lm_loss(model, local_batch(global_batch(0), rank, world))
         fwd = counter.snapshot()[Phase.FORWARD.value]
         loss.backward()

@@ -34,16 +34,16 @@ class TorchOwnerComm(OwnerComm):
     (uneven sizes; empty segments are skipped).
 
     ``"auto"`` (the default for both) decides per call from the segment sizes, which come from
-    the plan and so agree on every rank, and from the tensors' device (the backend):
-    - gathers: on CUDA (NCCL), the exchange while a group's ``k`` non-empty segments number at
-      least ``(N − 1) / 2``, else broadcast: the exchange makes each owner send its segment
-      ``N − 1`` times, about ``(N − 1) / k`` times the bytes of a pipelined broadcast per
-      segment. On the host (gloo) always broadcast: gloo runs collectives on its own worker
+    the plan and so agree on every rank, and from the backend that carries the tensors:
+    - gathers: on NCCL (or another backend), the exchange while a group's ``k`` non-empty
+      segments number at least ``(N − 1) / 2``, else broadcast: the exchange makes each owner
+      send its segment ``N − 1`` times, about ``(N − 1) / k`` times the bytes of a pipelined
+      broadcast per segment. On gloo always broadcast: gloo runs collectives on its own worker
       threads but point-to-point sends on the caller's, so the exchange's socket writes would
-      land on the training thread (its broadcast is a binomial tree, no more bytes per owner).
-    - reductions: never the exchange (it holds ``N − 1`` received segments). On CUDA one
+      land on the training thread (its broadcast is a binomial tree: no more bytes per owner).
+    - reductions: never the exchange (it holds ``N − 1`` received segments). On NCCL one
       ``reduce`` per segment (NCCL pipelines each; per rank about the bytes of a
-      reduce-scatter). On the host one ``all_reduce`` per group: gloo's reduce is a ring
+      reduce-scatter). On gloo one ``all_reduce`` per group: gloo's reduce is a ring
       reduce-scatter plus a gather, so ``k`` reduces move the bytes of one all-reduce in ``k``
       calls of at least ``2N`` ring steps each.
     """
@@ -73,6 +73,7 @@ class TorchOwnerComm(OwnerComm):
         self.reduce_impl = reduce_impl
         self.counter = counter if counter is not None else CommCounter()
         self.dim = dim  # the mesh dim this group spans, for the counter
+        self._backend = str(dist.get_backend(group)).lower()
         self._global_ranks = [
             dist.get_global_rank(group, r) if group is not None else r
             for r in range(self.world_size)
@@ -97,7 +98,8 @@ class TorchOwnerComm(OwnerComm):
         if self.world_size == 1 or like is None:
             return Pending()
         numels = [sum(t.numel() for t in part) for part in parts]
-        if gather_form(self.gather_impl, numels, self.world_size, host=_on_host(like)) == "broadcast":
+        if gather_form(self.gather_impl, numels, self.world_size,
+                       gloo=self._on_gloo(like)) == "broadcast":
             return self._gather_broadcast(parts, async_op)
         return self._gather_exchange(parts, numels, async_op)
 
@@ -140,7 +142,7 @@ class TorchOwnerComm(OwnerComm):
         own = segments[self.rank]
         if self.world_size == 1:
             return own, Pending()
-        form = reduce_form(self.reduce_impl, host=_on_host(flat))
+        form = reduce_form(self.reduce_impl, gloo=self._on_gloo(flat))
         if form == "allreduce":
             return own, self._reduce_all(flat, async_op)
         if form == "reduce":
@@ -185,6 +187,14 @@ class TorchOwnerComm(OwnerComm):
         self.counter.record("reduce_to_owners", _nbytes(flat), _nbytes(flat), dim=self.dim)
         return _issued([work], async_op, keepalive=(flat,))
 
+    def _on_gloo(self, t: torch.Tensor) -> bool:
+        """Whether ``t``'s device is served by gloo in this group (``"cpu:gloo,cuda:nccl"``-style
+        backends map each device type to one)."""
+        backend = self._backend
+        if ":" in backend:
+            backend = dict(kv.split(":", 1) for kv in backend.split(",")).get(t.device.type, "")
+        return backend == "gloo"
+
     # -- point-to-point ---------------------------------------------------------------------------
     def _exchange(self, sends: Sequence[tuple[int, torch.Tensor]],
                   recvs: Sequence[tuple[int, torch.Tensor]]) -> list[object]:
@@ -227,28 +237,26 @@ class TorchReplicateComm(ReplicateComm):
 
 
 def gather_form(impl: str, numels: Sequence[int], world_size: int, *,
-                host: bool) -> Literal["alltoall", "broadcast"]:
+                gloo: bool) -> Literal["alltoall", "broadcast"]:
     """The gather form ``TorchOwnerComm`` uses for ``impl`` (``"auto"``: see its rule);
-    ``host``: the matrices live on the host (gloo), else on an accelerator (NCCL)."""
+    ``gloo``: the tensors travel on gloo (else NCCL, or another backend)."""
     if impl in ("broadcast", "p2p"):
         return "broadcast"
     if impl != "auto":
         return "alltoall"
     owners = sum(1 for n in numels if n)
-    return "broadcast" if host or owners < (world_size - 1) / 2 else "alltoall"
+    return "broadcast" if gloo or owners < (world_size - 1) / 2 else "alltoall"
 
 
-def reduce_form(impl: str, *, host: bool) -> Literal["alltoall", "reduce", "allreduce"]:
+def reduce_form(impl: str, *, gloo: bool) -> Literal["alltoall", "reduce", "allreduce"]:
     """The reduction form ``TorchOwnerComm`` uses for ``impl`` (``"auto"``: see its rule)."""
     if impl == "p2p":
         return "reduce"
     if impl in ("alltoall", "reduce", "allreduce"):
         return impl  # type: ignore[return-value]
-    return "allreduce" if host else "reduce"
+    return "allreduce" if gloo else "reduce"
 
 
-def _on_host(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu"
 
 
 def _issued(works: Sequence[object], async_op: bool, keepalive: Sequence[object]) -> Pending:
