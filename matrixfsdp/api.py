@@ -253,7 +253,8 @@ def clip_grad_norm_(
     replica's, reduced inside the shard group only, and identical on every rank.
     The norm is recorded for the next ``MatrixOptimizer.step(...)`` with
     ``skip_nonfinite=True``, which then needs no collective of its own (see
-    [Note: skipping non-finite steps]).
+    [Note: skipping non-finite steps]). No host synchronisation (the clip coefficient stays on
+    the device), except the one check ``error_if_nonfinite=True`` asks for.
     """
     if max_norm < 0:
         raise ValueError(f"max_norm must be non-negative, got {max_norm}")
@@ -272,8 +273,9 @@ def clip_grad_norm_(
 def _global_norm(state: MatrixFSDPState, grads: list[torch.Tensor], p: float) -> torch.Tensor:
     device = _group_device(state.comm.group)  # gloo reduces CPU tensors, NCCL CUDA ones
     if math.isinf(p):
-        local = max((g.abs().max().float().to(device) for g in grads if g.numel()), default=None)
-        total = (local if local is not None else torch.zeros((), device=device)).reshape(1)
+        # One tensor max, not Python's max() (which reads each comparison on the host).
+        maxes = [g.abs().max().float().to(device) for g in grads if g.numel()]
+        total = (torch.stack(maxes).max() if maxes else torch.zeros((), device=device)).reshape(1)
         with comm_phase(Phase.OPTIMIZER):
             total = state.comm.all_reduce_scalar(total.clone(), op="max")
     else:

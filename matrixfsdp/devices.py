@@ -42,6 +42,10 @@ class DeviceOps:
         """Work issued later on the current stream starts after ``event``."""
         raise NotImplementedError
 
+    def stream_waits_event(self, stream: Any, event: Any) -> None:
+        """Work issued later on ``stream`` starts after ``event`` (``None``: no wait)."""
+        raise NotImplementedError
+
     def keep_until_done(self, tensor: torch.Tensor, stream: Any) -> None:
         """Do not reuse ``tensor``'s memory before ``stream``'s work so far has finished."""
         raise NotImplementedError
@@ -80,6 +84,9 @@ class HostOps(DeviceOps):
         return None
 
     def current_waits(self, event: Any) -> None:
+        return None
+
+    def stream_waits_event(self, stream: Any, event: Any) -> None:
         return None
 
     def keep_until_done(self, tensor: torch.Tensor, stream: Any) -> None:
@@ -122,6 +129,10 @@ class CudaOps(DeviceOps):  # pragma: no cover - needs a CUDA device
     def current_waits(self, event: torch.cuda.Event | None) -> None:
         if event is not None:
             torch.cuda.current_stream(self.device).wait_event(event)
+
+    def stream_waits_event(self, stream: torch.cuda.Stream, event: torch.cuda.Event | None) -> None:
+        if event is not None:
+            stream.wait_event(event)
 
     def keep_until_done(self, tensor: torch.Tensor, stream: torch.cuda.Stream) -> None:
         if tensor.device.type == "cuda":

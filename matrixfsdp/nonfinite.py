@@ -16,6 +16,9 @@
   ranks cannot disagree on whether to communicate. Gradients changed after clipping (another
   backward, in-place edits) are not re-checked; that is detected through the gradients' version
   counters and logged as a warning.
+- The decision is read on the host (``bool(torch.isfinite(norm))``), once per step: the one
+  host synchronisation ``skip_nonfinite`` adds to ``step()``, which otherwise has none (step
+  counters are host tensors, as in torch.optim); see [Note: streams] for backward's one.
 - A skipped step changes nothing: no parameter and no optimizer state (step counters, momenta,
   the tail's AdamW moments and step) moves. Gradients are set to ``None``, the optimizer counts
   the step in ``skipped_steps`` and logs it.

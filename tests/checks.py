@@ -9,6 +9,8 @@ from torch.distributed.tensor import DTensor
 
 import matrixfsdp as mf
 
+from .dist_utils import test_device
+
 # Hyperparameters for parity of the fp32 library with the float64 references (tests/references.py)
 # across world sizes. Muon: fp32 Newton–Schulz (torch's bf16 amplifies fp32 reduction-order noise).
 # Shampoo / EMA-Gram: relative eps 1e-4 instead of 1e-6, because inverse roots of near-zero
@@ -27,7 +29,8 @@ FREE_RUNNING_KWARGS: dict[str, dict] = {
 
 
 def full_values(model: nn.Module, attr: str = "data") -> dict[str, torch.Tensor | None]:
-    """Every parameter (``attr="data"``) or gradient (``"grad"``) of a wrapped model, whole.
+    """Every parameter (``attr="data"``) or gradient (``"grad"``) of a wrapped model, whole, as
+    host (CPU) copies whatever the test device.
 
     Collective: all ranks must call it. Matrices are broadcast from their owner inside the shard
     group (under HSDP: this rank's replica's values); a matrix whose owner has no gradient maps
@@ -35,32 +38,40 @@ def full_values(model: nn.Module, attr: str = "data") -> dict[str, torch.Tensor 
     """
     state = mf.get_state(model)
     group = state.comm.group
+    device = test_device()
     out: dict[str, torch.Tensor | None] = {}
     for fqn, p in model.named_parameters():
         value = p.grad if attr == "grad" else p.detach()
         if fqn in state.params:
             mp = state.params[fqn]
             src = dist.get_global_rank(group, mp.owner_rank)
-            present = torch.tensor([0 if value is None else 1])
+            present = torch.tensor([0 if value is None else 1], device=device)
             dist.broadcast(present, src=src, group=group)
             if not present.item():
                 out[fqn] = None
                 continue
-            buf = value.detach().clone() if mp.is_owner else torch.empty(mp.shape, dtype=mp.dtype)
+            buf = (value.detach().clone() if mp.is_owner
+                   else torch.empty(mp.shape, dtype=mp.dtype, device=device))
             dist.broadcast(buf, src=src, group=group)
-            out[fqn] = buf
+            out[fqn] = _host(buf)
         elif isinstance(value, DTensor):
-            out[fqn] = value.full_tensor().clone()  # a 1-rank full_tensor() aliases the shard
+            out[fqn] = _host(value.full_tensor())  # a 1-rank full_tensor() aliases the shard
         else:
-            out[fqn] = None if value is None else value.detach().clone()
+            out[fqn] = None if value is None else _host(value.detach())
     return out
 
 
+def _host(t: torch.Tensor) -> torch.Tensor:
+    """A CPU copy (never an alias of ``t``)."""
+    return t.detach().to("cpu", copy=True)
+
+
 def reference_values(model: nn.Module, attr: str = "data") -> dict[str, torch.Tensor | None]:
+    """A one-process model's parameters or gradients, as host copies (see ``full_values``)."""
     out = {}
     for fqn, p in model.named_parameters():
         value = p.grad if attr == "grad" else p.detach()
-        out[fqn] = None if value is None else value.detach().clone()
+        out[fqn] = None if value is None else _host(value)
     return out
 
 
@@ -77,12 +88,14 @@ def assert_close_dicts(
         if w is None or g is None:
             assert g is None and w is None, f"{what} {fqn}: got {g is None=}, want {w is None=}"
             continue
-        err = (g.double() - w.double()).norm() / max(w.double().norm().item(), 1e-30)
+        g, w = g.double().cpu(), w.double().cpu()
+        err = (g - w).norm() / max(w.norm().item(), 1e-30)
         assert err <= rtol, f"{what} {fqn}: relative error {err:.3e} > {rtol:.1e}"
 
 
 def full_optimizer_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, dict]:
-    """Every parameter's optimizer state, whole, keyed by FQN (collective; test-only pickling)."""
+    """Every parameter's optimizer state, whole, keyed by FQN, as host copies (collective;
+    test-only pickling)."""
     state = mf.get_state(model)
     group = state.comm.group
     out: dict[str, dict] = {}
@@ -90,15 +103,13 @@ def full_optimizer_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[s
         entry = opt.state.get(p, {})
         if fqn in state.params:
             mp = state.params[fqn]
-            box = [{k: v.detach().clone() for k, v in entry.items()} if mp.is_owner else None]
+            box = [{k: _host(v) for k, v in entry.items()} if mp.is_owner else None]
             dist.broadcast_object_list(box, src=dist.get_global_rank(group, mp.owner_rank),
                                        group=group)
             out[fqn] = box[0]
         else:
-            out[fqn] = {
-                k: (v.full_tensor().clone() if isinstance(v, DTensor) else v.detach().clone())
-                for k, v in entry.items()
-            }
+            out[fqn] = {k: _host(v.full_tensor() if isinstance(v, DTensor) else v)
+                        for k, v in entry.items()}
     return out
 
 

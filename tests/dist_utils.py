@@ -1,8 +1,16 @@
-"""Run a function on a gloo world of N forked ranks; one world runs many subtests.
+"""Run a function on a world of N ranks; one world runs many subtests.
 
 Process start-up dominates small distributed tests, so each test module spawns one world per
 world size and runs all its checks there (as FSDP2's own suite does with ``run_subtests``).
 Failures come back to pytest with every failing rank's traceback.
+
+The test device: ``run_world(..., device="cpu")`` forks gloo ranks on the CPU (the default, and
+all CI runs); ``device="cuda"`` spawns NCCL ranks, rank ``r`` on ``cuda:r``, and skips with
+"needs N CUDA devices" where the machine has fewer. Inside a rank ``test_device()`` names the
+device: the test models, batches and comparison helpers (``tests/models.py``,
+``tests/checks.py``) put their tensors there, so a test body is the same on both. ``DEVICES``
+parametrizes a test over both, the CUDA case marked ``gpu`` (skipped without CUDA, see
+``conftest.py``): ``MATRIXFSDP_TEST_DEVICE=cuda python -m pytest -m gpu tests``.
 """
 
 from __future__ import annotations
@@ -15,10 +23,45 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 
-__all__ = ["run_subtests", "run_world"]
+__all__ = ["DEVICES", "cpu_rank_context", "device_type", "run_subtests", "run_world", "test_device"]
+
+# Parametrize a test over the test devices: the CUDA case carries the ``gpu`` marker.
+DEVICES = ("cpu", pytest.param("cuda", marks=pytest.mark.gpu))
+
+_device = torch.device("cpu")  # this process's test device, set in each rank by run_world
+
+
+def test_device() -> torch.device:
+    """The device this rank's tensors, models and process group use."""
+    return _device
+
+
+test_device.__test__ = False  # a helper, not a test, for pytest's collector
+
+
+def device_type() -> str:
+    """``test_device().type``, e.g. for ``init_device_mesh``."""
+    return _device.type
+
+
+def cpu_rank_context() -> Any:
+    """How CPU ranks are started: forked, except on a CUDA/ROCm build of torch.
+
+    There the autograd engine starts its device threads at the first backward of the test
+    process (some tests run one in-process), and a child forked after that cannot run autograd
+    ("Unable to handle autograd's threading in combination with fork-based multiprocessing").
+    A fork server forked before any test ran (torch preloaded, so ranks still start fast) avoids
+    it; rank functions and their arguments must then pickle. CPU-only builds (CI) fork.
+    """
+    if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
+        return mp.get_context("fork")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "matrixfsdp"])
+    return ctx
 
 
 def _free_port() -> int:
@@ -27,16 +70,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(rank: int, world: int, port: int, fn: Callable, args: tuple, queue: Any) -> None:
+def _child(rank: int, world: int, port: int, device: str, fn: Callable, args: tuple,
+           queue: Any) -> None:
+    global _device
     try:
         torch.set_num_threads(1)
         os.environ.update(
             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
             WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
         )
-        dist.init_process_group(
-            "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120)
-        )
+        timeout = datetime.timedelta(seconds=120)
+        if device == "cuda":
+            _deterministic_cuda()
+            _device = torch.device("cuda", rank)
+            torch.cuda.set_device(_device)
+            dist.init_process_group("nccl", rank=rank, world_size=world, timeout=timeout,
+                                    device_id=_device)
+        else:
+            dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
         fn(rank, world, *args)
         dist.barrier()
         dist.destroy_process_group()
@@ -45,13 +96,38 @@ def _child(rank: int, world: int, port: int, fn: Callable, args: tuple, queue: A
         queue.put((rank, traceback.format_exc()))
 
 
-def run_world(world: int, fn: Callable, *args: Any, timeout: float = 600.0) -> None:
-    """Run ``fn(rank, world, *args)`` on ``world`` forked gloo ranks; raise on any failure."""
-    ctx = mp.get_context("fork")
+def _deterministic_cuda() -> None:
+    """fp32 math and run-to-run identical kernels, as on the CPU: the tests compare against fp32
+    references and, after a checkpoint round trip, bit for bit."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before the first cuBLAS call
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    for backend in ("flash", "mem_efficient", "cudnn"):  # attention: the plain math kernels
+        enable = getattr(torch.backends.cuda, f"enable_{backend}_sdp", None)
+        if enable is not None:
+            enable(False)
+
+
+def run_world(world: int, fn: Callable, *args: Any, device: str = "cpu",
+              timeout: float = 600.0) -> None:
+    """Run ``fn(rank, world, *args)`` on ``world`` ranks on ``device``; raise on any failure.
+
+    CPU: forked gloo ranks (see ``cpu_rank_context``). CUDA: spawned NCCL ranks (``fn`` and ``args`` must pickle), one GPU
+    each; skipped when the machine has fewer than ``world`` GPUs.
+    """
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if device == "cuda":
+        available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if available < world:
+            pytest.skip(f"needs {world} CUDA devices (this machine has {available})")
+    ctx = mp.get_context("spawn") if device == "cuda" else cpu_rank_context()
     queue = ctx.Queue()
     port = _free_port()
     procs = [
-        ctx.Process(target=_child, args=(r, world, port, fn, args, queue)) for r in range(world)
+        ctx.Process(target=_child, args=(r, world, port, device, fn, args, queue))
+        for r in range(world)
     ]
     for p in procs:
         p.start()
@@ -72,7 +148,7 @@ def run_world(world: int, fn: Callable, *args: Any, timeout: float = 600.0) -> N
                 p.join()
     if errors:
         text = "\n".join(f"--- rank {r} ---\n{e}" for r, e in sorted(errors.items()))
-        raise AssertionError(f"distributed test failed on world size {world}:\n{text}")
+        raise AssertionError(f"distributed test failed on world size {world} ({device}):\n{text}")
 
 
 def run_subtests(rank: int, subtests: dict[str, Callable[[], None]]) -> None:

@@ -1,4 +1,8 @@
-"""Tiny models for the distributed tests: a transformer with every kind of parameter."""
+"""Tiny models for the distributed tests: a transformer with every kind of parameter.
+
+Models and batches are built on the CPU (the same values on every device) and moved to the
+rank's test device (``dist_utils.test_device()``).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from .dist_utils import test_device
 
 VOCAB = 23
 
@@ -53,7 +59,7 @@ class Block(nn.Module):
 class TinyTransformer(nn.Module):
     def __init__(
         self, dim: int = 16, hidden: int = 40, layers: int = 3, checkpointing: bool = False,
-        tie: bool = False,
+        tie: bool = False, device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, dim)
@@ -68,6 +74,12 @@ class TinyTransformer(nn.Module):
                 nn.init.normal_(p, std=1.0 / math.sqrt(p.shape[-1]))
             elif "bias" in name:
                 nn.init.normal_(p, std=0.1)
+        # Built on the CPU, then moved: the same values on every device. Under a device
+        # context (``with torch.device("meta")``) the model stays where the context put it.
+        if device is None and torch.get_default_device().type == "cpu":
+            device = test_device()
+        if device is not None and torch.device(device).type != "cpu":
+            self.to(device)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens)
@@ -83,7 +95,7 @@ def lm_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 
 def global_batch(step: int, batch: int = 12, seq: int = 9) -> torch.Tensor:
     g = torch.Generator().manual_seed(1000 + step)
-    return torch.randint(0, VOCAB, (batch, seq), generator=g)
+    return torch.randint(0, VOCAB, (batch, seq), generator=g).to(test_device())
 
 
 def local_batch(tokens: torch.Tensor, rank: int, world: int) -> torch.Tensor:

@@ -114,7 +114,7 @@ def _train_and_save(rank: int, world: int, root: str, name: str) -> None:
     _train(model, opt, range(SAVE_AT, SAVE_AT + RESUME_STEPS), rank, world)
     final = _values(model)
     if rank == 0:
-        torch.save({"values": values, "state": state, "logits": logits, "final": final},
+        torch.save({"values": values, "state": state, "logits": logits.cpu(), "final": final},
                    _ref_file(root, world, name))
 
 
@@ -389,6 +389,23 @@ def _load_world(rank: int, world: int, root: str) -> None:
 @pytest.mark.parametrize("world", LOAD_WORLDS)
 def test_save_and_load_across_world_sizes(saved: str, world: int) -> None:
     run_world(world, _load_world, saved)
+
+
+def _round_trip_world(rank: int, world: int, root: str) -> None:
+    """Save after training, load into fresh models on the same world, resume: exact."""
+    subtests = {f"save_{n}": functools.partial(_train_and_save, rank, world, root, n)
+                for n in OPTIMIZERS}
+    subtests["saved_everywhere"] = dist.barrier  # rank 0 wrote the reference files
+    subtests.update({f"resume_{n}": functools.partial(_resume, rank, world, root, world, n)
+                     for n in OPTIMIZERS})
+    run_subtests(rank, subtests)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [1, 2])
+def test_save_and_load_on_cuda(tmp_path: Path, world: int) -> None:
+    (tmp_path / f"w{world}").mkdir()
+    run_world(world, _round_trip_world, str(tmp_path), device="cuda")
 
 
 # -- single process --------------------------------------------------------------------------------

@@ -36,10 +36,11 @@ from .checks import (
     full_values,
     reference_values,
 )
-from .dist_utils import run_subtests, run_world
+from .dist_utils import device_type, run_subtests, run_world
 from .models import TinyTransformer, global_batch, lm_loss, local_batch
 from .test_checkpoint import _assert_state_equal, _state, _values
 from .test_optim_dist import ReferenceStepper
+from .test_streams import hsdp_checker_has_teeth, race_free_training
 
 GRAD_RTOL = 1e-6
 PARAM_RTOL = 1e-5
@@ -49,7 +50,7 @@ LR = {"muon": 0.02, "okls": 0.01}
 
 def _mesh(shape: tuple[int, int], named: bool = True):
     names = ("replicate", "shard") if named else None
-    return init_device_mesh("cpu", shape, mesh_dim_names=names)
+    return init_device_mesh(device_type(), shape, mesh_dim_names=names)
 
 
 def _pair(**model_kwargs) -> tuple[nn.Module, nn.Module]:
@@ -465,6 +466,10 @@ def _world(rank: int, world: int, root: str) -> None:
     subtests["activation_checkpointing_2x2"] = functools.partial(
         _free_running, rank, world, (2, 2), "muon", steps=3, checkpointing=True)
     subtests["clip_2x2"] = functools.partial(_clip, rank, world, (2, 2))
+    subtests["streams_race_free_2x2"] = functools.partial(
+        race_free_training, rank, world, mesh=_mesh((2, 2)), micro=2, keep_reducing=True)
+    subtests["streams_checker_has_teeth_2x2"] = functools.partial(
+        hsdp_checker_has_teeth, rank, world, _mesh((2, 2)))
     subtests["expert_slices_2x2"] = functools.partial(_expert_slices, rank, world)
     subtests["plan_and_hash"] = functools.partial(_plan_and_hash, rank, world)
     subtests["unnamed_mesh"] = functools.partial(_unnamed_mesh, rank, world)
@@ -490,6 +495,21 @@ def world4(tmp_path_factory: pytest.TempPathFactory) -> str:
     root = tmp_path_factory.mktemp("hsdp")
     run_world(4, _world, str(root))
     return str(root)
+
+
+def _world_on_device(rank: int, world: int) -> None:
+    """The 2x2 parity subtests, on whatever device the world runs on."""
+    run_subtests(rank, {
+        "grads_unused_frozen_2x2": functools.partial(_grads_unused_frozen, rank, world, (2, 2)),
+        "muon_5_steps_2x2": functools.partial(_free_running, rank, world, (2, 2), "muon"),
+        "accumulation_2x2": functools.partial(_accumulation, rank, world, (2, 2)),
+        "clip_2x2": functools.partial(_clip, rank, world, (2, 2)),
+    })
+
+
+@pytest.mark.gpu
+def test_hsdp_on_cuda() -> None:
+    run_world(4, _world_on_device, device="cuda")
 
 
 def test_hsdp_world4(world4: str) -> None:

@@ -27,7 +27,7 @@ from .checks import (
     full_values,
     reference_values,
 )
-from .dist_utils import run_subtests, run_world
+from .dist_utils import DEVICES, run_subtests, run_world, test_device
 from .models import TinyTransformer, global_batch, lm_loss, local_batch
 from .references import check_eigenbasis, make_reference
 
@@ -78,8 +78,9 @@ class ReferenceStepper:
     def step(self) -> None:
         for fqn, p in self.matrices.items():
             if p.grad is not None:
-                W = self.refs[fqn].step(p.double(), p.grad, lr=self.lr, weight_decay=0.1,
-                                        initial_lr=self.lr)
+                # The float64 references compute on the host (their state lives there).
+                W = self.refs[fqn].step(p.double().cpu(), p.grad.cpu(), lr=self.lr,
+                                        weight_decay=0.1, initial_lr=self.lr)
                 p.copy_(W)
         self.tail.step()
 
@@ -107,7 +108,7 @@ def _load_reference(ref: nn.Module, params: dict, grads: dict) -> None:
     with torch.no_grad():
         for fqn, p in ref.named_parameters():
             p.copy_(params[fqn])
-            p.grad = None if grads[fqn] is None else grads[fqn].clone()
+            p.grad = None if grads[fqn] is None else grads[fqn].to(p.device, copy=True)
 
 
 def _step_by_step(rank: int, world: int, name: str, steps: int = 3) -> None:
@@ -143,8 +144,10 @@ def _step_by_step(rank: int, world: int, name: str, steps: int = 3) -> None:
         if name == "muon":
             for fqn, st in state_before.items():
                 target = ref_matrix if fqn in matrix_fqns else ref_tail
-                if st:
-                    target.state[params[fqn]] = {k: v.clone() for k, v in st.items()}
+                if st:  # host copies: steps stay on the host, as torch.optim keeps them
+                    target.state[params[fqn]] = {
+                        k: v.clone() if k == "step" else v.to(params[fqn].device, copy=True)
+                        for k, v in st.items()}
             ref_matrix.step()
             ref_tail.step()
         else:
@@ -152,7 +155,7 @@ def _step_by_step(rank: int, world: int, name: str, steps: int = 3) -> None:
                 library_state.update(full_optimizer_state(model, opt))
             stepper.step()
         after = full_values(model)
-        want = {f: params[f].detach() - before[f] for f in before}
+        want = {f: params[f].detach().cpu() - before[f] for f in before}
         got = {f: after[f] - before[f] for f in before}
         tail = [f for f in before if f not in matrix_fqns]
         assert_close_dicts({f: got[f] for f in tail}, {f: want[f] for f in tail}, 1e-6,
@@ -234,7 +237,7 @@ def _torch_class_and_scheduler(rank: int, world: int) -> None:
     _, model_b = _pair()
     mf.fully_shard_matrix(model_a)
     mf.fully_shard_matrix(model_b)
-    opt_a = _make_opt(model_a, "muon")
+    opt_a = _make_opt(model_a, "muon", batch_same_shape=False)  # as the class: one at a time
     opt_b = mf.MatrixOptimizer(model_b, optimizer=torch.optim.Muon, lr=0.02, weight_decay=0.1,
                                tail_lr=1e-2, tail_weight_decay=0.1)
     scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (1 + s)) for o in (opt_a, opt_b)]
@@ -295,7 +298,7 @@ def _batched_equals_unbatched(rank: int, world: int, name: str) -> None:
     largest = max(sizes, default=0)
     if len(shapes) > len(set(shapes)):  # this rank owns same-shape matrices: they were stacked
         assert largest >= 2, f"rank {rank} owns {shapes} but stepped batches of {sorted(set(sizes))}"
-    widest = torch.tensor([largest])
+    widest = torch.tensor([largest], device=test_device())
     torch.distributed.all_reduce(widest, op=torch.distributed.ReduceOp.MAX)
     assert widest.item() >= 2, f"no batch formed at world {world}: the test tests nothing"
     assert_close_dicts(full_values(models[0]), full_values(models[1]), 1e-5, f"{name} batched")
@@ -344,5 +347,6 @@ def _world(rank: int, world: int) -> None:
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
-def test_matrix_optimizer(world: int) -> None:
-    run_world(world, _world)
+@pytest.mark.parametrize("device", DEVICES)
+def test_matrix_optimizer(device: str, world: int) -> None:
+    run_world(world, _world, device=device)

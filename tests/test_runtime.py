@@ -18,7 +18,7 @@ from matrixfsdp.planner import make_plan
 from matrixfsdp.runtime.selection import default_groups, param_specs, select_params
 
 from .checks import assert_close_dicts, full_values, reference_values
-from .dist_utils import run_subtests, run_world
+from .dist_utils import DEVICES, device_type, run_subtests, run_world
 from .models import TinyTransformer, global_batch, lm_loss, local_batch
 
 GRAD_RTOL = 1e-6
@@ -163,7 +163,7 @@ def _plan_identical(rank: int, world: int) -> None:
     dist.all_gather_object(hashes, plan.plan_hash())
     assert len(set(hashes)) == 1, hashes
     # A pure function of the model: recomputing it without any process group gives the same.
-    sites = select_params(probe, default_groups(probe), None, "cpu")
+    sites = select_params(probe, default_groups(probe), None, device_type())
     assert plan.mesh_shape == (1, world)  # a flat mesh: one replica
     assert make_plan(param_specs(sites), world).with_mesh_shape(1, world).plan_hash() == plan.plan_hash()
     assert mf.Plan.from_json(plan.to_json()) == plan
@@ -215,7 +215,7 @@ def _frozen_matrix(rank: int, world: int) -> None:
     ref, model = _pair()
     for m in (ref, model):
         m.layers[0].up.weight.requires_grad_(False)
-    frozen_before = ref.layers[0].up.weight.detach().clone()
+    frozen_before = reference_values(ref)["layers.0.up.weight"]
     mf.fully_shard_matrix(model)
     state = mf.get_state(model)
     group0 = next(g for g in state.groups if g.name == "layers.0")
@@ -243,7 +243,7 @@ def _bad_inputs(rank: int, world: int) -> None:
         mf.fully_shard_matrix(model)
 
     _, model = _pair()
-    mesh3d = init_device_mesh("cpu", (1, 1, world), mesh_dim_names=("a", "b", "c"))
+    mesh3d = init_device_mesh(device_type(), (1, 1, world), mesh_dim_names=("a", "b", "c"))
     with pytest.raises(ValueError, match=r"\(1, 1, \d\) \(3 dims\).*2-D HSDP mesh"):
         mf.fully_shard_matrix(model, mesh3d)
 
@@ -254,7 +254,7 @@ def _bad_inputs(rank: int, world: int) -> None:
     _, model = _pair()
     model.layers[0].attn.q.weight = nn.Parameter(torch.empty(16, 16, device="meta"))
     with pytest.raises(ValueError, match=r"layers\.0\.attn\.q\.weight.*meta"):
-        mf.fully_shard_matrix(model, init_device_mesh("cpu", (world,)))
+        mf.fully_shard_matrix(model, init_device_mesh(device_type(), (world,)))
 
     _, model = _pair(tie=True)
     with pytest.raises(ValueError, match=r"embed\.weight.*shared with 'head\.weight'"):
@@ -294,5 +294,6 @@ def _world_runtime(rank: int, world: int) -> None:
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_runtime(world: int) -> None:
-    run_world(world, _world_runtime)
+@pytest.mark.parametrize("device", DEVICES)
+def test_runtime(device: str, world: int) -> None:
+    run_world(world, _world_runtime, device=device)

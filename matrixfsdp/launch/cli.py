@@ -1,4 +1,4 @@
-"""``matrixfsdp`` console script: ``train``, ``plan``, ``inspect``.
+"""``matrixfsdp`` console script: ``train``, ``compare``, ``plan``, ``inspect``.
 
 Imports stay lazy so ``matrixfsdp plan`` never loads torch.
 """
@@ -33,13 +33,13 @@ def _override_parser() -> argparse.ArgumentParser:
     return p
 
 
-def config_overrides(argv: list[str]) -> dict[str, Any]:
+def config_overrides(argv: list[str], prog: str = "matrixfsdp train") -> dict[str, Any]:
     """Flags (and ``--set key=value`` pairs) to ``load_config`` keyword overrides."""
     import yaml
 
     args, unknown = _override_parser().parse_known_args(argv)
     if unknown:
-        raise SystemExit(f"matrixfsdp train: unrecognized arguments: {' '.join(unknown)}")
+        raise SystemExit(f"{prog}: unrecognized arguments: {' '.join(unknown)}")
     overrides: dict[str, Any] = {"optimizer": args.optimizer, "steps": args.steps,
                                  "nproc": args.nproc, "out": args.out,
                                  "replicate": args.replicate,
@@ -143,6 +143,16 @@ def _parser() -> argparse.ArgumentParser:
     for flag in _TORCHRUN_PASSTHROUGH:
         train.add_argument(flag, dest="tr_" + flag[2:].replace("-", "_"),
                            help="passed to torchrun (multi-node rendezvous)")
+    compare = sub.add_parser(
+        "compare", help="train several optimizers with their defaults on one task; plot and tabulate",
+        description="Each optimizer trains with its recommended defaults on the same data order, "
+                    "seed and global batch, in OUT/<optimizer>; then OUT/compare.png and "
+                    "OUT/compare.md compare them. Run the same command again to resume. Takes "
+                    "train's --steps, --nproc, --out (default runs/compare) and --set KEY=VALUE.")
+    compare.add_argument("--optimizers", default="muon,okls,soap,shampoo,emagram,adamw",
+                         help="comma-separated names (default: all six)")
+    compare.add_argument("--config", help="YAML or JSON file of shared TrainConfig fields")
+    compare.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     plan = sub.add_parser("plan", help="print the owner plan of a model (no process group)")
     plan.add_argument("--model", default="llama3-8b",
                       help="preset (llama3-8b, llama3-70b, llama2-7b, gpt-small) or module:factory")
@@ -165,6 +175,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "train":
         # Config overrides travel as raw flags; launcher-only flags are dropped first.
         return _cmd_train(args, _strip_train_only(argv[1:]))
+    if args.command == "compare":
+        from .compare import run_cli
+
+        if args.device != "auto":
+            os.environ["MATRIXFSDP_DEVICE"] = args.device
+        return run_cli(args.config, args.optimizers, rest, "matrixfsdp " + " ".join(argv))
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "plan":

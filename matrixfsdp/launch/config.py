@@ -1,16 +1,26 @@
-"""Training configuration: one pydantic model, loadable from YAML/JSON, overridable by flags."""
+"""Training configuration: one pydantic model, loadable from YAML/JSON, overridable by flags.
+
+The optimizer's hyperparameters (``lr``, ``weight_decay``, ``tail_lr``, ``tail_weight_decay`` and
+each ``optimizer_kwargs`` key) default to the chosen optimizer's recommended values (see
+[Note: recommended hyperparameters] in ``matrixfsdp.optim.defaults``): a field left unset (or
+``None``) is filled from that table when the config is validated, and its name goes into
+``defaults_applied`` (``"lr"``, ``"optimizer_kwargs.beta1"``, ...). A field named there is
+re-resolved on every validation, so a saved ``config.json`` reloaded with another optimizer gets
+that optimizer's defaults, while values the user set stay as set.
+"""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-__all__ = ["ConfigError", "ModelConfig", "TrainConfig", "load_config"]
+__all__ = ["OPTIMIZER_NAMES", "ConfigError", "ModelConfig", "TrainConfig", "load_config"]
 
 OptimizerName = Literal["muon", "shampoo", "soap", "okls", "emagram", "adamw"]
+OPTIMIZER_NAMES: tuple[str, ...] = get_args(OptimizerName)
 
 
 class ConfigError(ValueError):
@@ -43,11 +53,14 @@ class TrainConfig(BaseModel):
 
     model: ModelConfig = ModelConfig()
     optimizer: OptimizerName = "muon"
+    # Unset keys / None: the optimizer's recommended value, filled in by
+    # _resolve_optimizer_defaults (after validation they are never None).
     optimizer_kwargs: dict[str, Any] = Field(default_factory=dict)
-    lr: float = Field(0.02, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    tail_lr: float = Field(3e-3, gt=0)
-    tail_weight_decay: float = Field(0.0, ge=0)
+    lr: float | None = Field(None, gt=0)
+    weight_decay: float | None = Field(None, ge=0)
+    tail_lr: float | None = Field(None, gt=0)
+    tail_weight_decay: float | None = Field(None, ge=0)
+    defaults_applied: list[str] = Field(default_factory=list)  # the fields filled in that way
     warmup_steps: int = Field(20, ge=0)
     steps: int = Field(400, ge=1)
     global_batch: int = Field(16, ge=1)
@@ -65,6 +78,37 @@ class TrainConfig(BaseModel):
     out: str = "runs/default"
     nproc: int = Field(2, ge=1)
     replicate: int = Field(1, ge=1)  # HSDP replicas: ranks = replicate x shard size (1 = flat)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _resolve_optimizer_defaults(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or data.get("optimizer", "muon") not in OPTIMIZER_NAMES:
+            return data  # field validation reports the problem
+        from ..optim.defaults import recommended_hyperparameters
+
+        data = dict(data)
+        rec = recommended_hyperparameters(data.get("optimizer", "muon"))
+        stale = set(data.pop("defaults_applied", None) or ())  # defaults of an earlier resolution
+        applied: list[str] = []
+        for name in ("lr", "weight_decay"):
+            if data.get(name) is None or name in stale:
+                data[name] = getattr(rec, name)
+                applied.append(name)
+        tail_lr, tail_wd = rec.resolved_tail(data["lr"], data["weight_decay"])
+        for name, value in (("tail_lr", tail_lr), ("tail_weight_decay", tail_wd)):
+            if data.get(name) is None or name in stale:
+                data[name] = value
+                applied.append(name)
+        kwargs = data.get("optimizer_kwargs") or {}
+        if isinstance(kwargs, dict):
+            kwargs = {k: v for k, v in kwargs.items() if f"optimizer_kwargs.{k}" not in stale}
+            for key, value in rec.optimizer_kwargs.items():
+                if key not in kwargs:
+                    kwargs[key] = list(value) if isinstance(value, tuple) else value
+                    applied.append(f"optimizer_kwargs.{key}")
+            data["optimizer_kwargs"] = kwargs
+        data["defaults_applied"] = applied
+        return data
 
     @model_validator(mode="after")
     def _sane(self) -> TrainConfig:
@@ -93,15 +137,29 @@ def _read(path: str | Path) -> dict[str, Any]:
 
 
 def load_config(path: str | Path | None = None, **overrides: Any) -> TrainConfig:
-    """Defaults ← file ← overrides (``None`` overrides are ignored); errors name the field."""
+    """Defaults ← file ← overrides (``None`` overrides are ignored); errors name the field.
+
+    ``model.X`` and ``optimizer_kwargs.X`` overrides set one key of those mappings. An override
+    of a field the file lists in ``defaults_applied`` makes it the user's value.
+    """
     data: dict[str, Any] = _read(path) if path is not None else {}
+    user_set: set[str] = set()
     for key, value in overrides.items():
         if value is None:
             continue
-        if key.startswith("model."):
-            data.setdefault("model", {})[key.removeprefix("model.")] = value
+        if key.startswith(("model.", "optimizer_kwargs.")):
+            section, _, name = key.partition(".")
+            if not isinstance(data.get(section, {}), dict):
+                raise ConfigError(f"invalid training config: {section}: must be a mapping to set {key}")
+            data.setdefault(section, {})[name] = value
+            user_set.add(key)
         else:
             data[key] = value
+            user_set.add(key)
+            if key == "optimizer_kwargs" and isinstance(value, dict):
+                user_set.update(f"optimizer_kwargs.{k}" for k in value)
+    if isinstance(data.get("defaults_applied"), (list, tuple)):
+        data["defaults_applied"] = [k for k in data["defaults_applied"] if k not in user_set]
     try:
         return TrainConfig.model_validate(data)
     except ValidationError as exc:

@@ -9,7 +9,7 @@ from typing import Any
 from ..planner import Plan
 from .config import TrainConfig
 
-__all__ = ["plot_losses", "summarize", "write_report"]
+__all__ = ["plot_losses", "steady_medians", "summarize", "write_report"]
 
 
 def plot_losses(metrics: list[dict[str, Any]], unigram: float, path: Path, title: str) -> None:
@@ -33,10 +33,16 @@ def plot_losses(metrics: list[dict[str, Any]], unigram: float, path: Path, title
     plt.close(fig)
 
 
+def steady_medians(metrics: list[dict[str, Any]]) -> dict[str, float]:
+    """Medians of the per-step timings over the steady state (the first 20% of steps dropped)."""
+    steady = metrics[len(metrics) // 5 :] or metrics
+    return {k: statistics.median(m[k] for m in steady)
+            for k in ("time_forward", "time_backward", "time_optimizer", "time_step", "tokens_per_s")}
+
+
 def summarize(metrics: list[dict[str, Any]], cfg: TrainConfig, unigram: float, plan: Plan) -> str:
     steady = metrics[len(metrics) // 5 :] or metrics
-    med = {k: statistics.median(m[k] for m in steady)
-           for k in ("time_forward", "time_backward", "time_optimizer", "time_step", "tokens_per_s")}
+    med = steady_medians(metrics)
     val = [m["val_loss"] for m in metrics if "val_loss" in m]
     comm = steady[-1]["matrix_comm_bytes_sent"]
     lines = [

@@ -33,6 +33,7 @@ __all__ = ["main", "train"]
 logger = logging.getLogger(__name__)
 
 _FAIL_AT_STEP_ENV = "MATRIXFSDP_FAIL_AT_STEP"  # tests: die abruptly at this step, like a kill
+PROGRESS_DESC_ENV = "MATRIXFSDP_PROGRESS_DESC"  # progress-bar label (matrixfsdp compare sets it)
 
 
 @dataclass
@@ -192,6 +193,19 @@ def _peak_memory_mib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def _per_rank_bytes(ctx: RunContext, record: dict[str, Any]) -> dict[str, list[int]]:
+    """Every rank's optimizer-state bytes and matrix bytes sent this step (one all-gather)."""
+    optimizer = ctx.optimizer
+    assert isinstance(optimizer, mf.MatrixOptimizer)  # built by _build
+    mine = torch.tensor([optimizer.matrix_state_bytes() + optimizer.tail_state_bytes(),
+                         sum(record["matrix_comm_bytes_sent"].values())], dtype=torch.int64,
+                        device=ctx.device)
+    gathered = [torch.zeros_like(mine) for _ in range(ctx.world)]
+    dist.all_gather(gathered, mine)
+    return {"optimizer_state_bytes": [int(t[0]) for t in gathered],
+            "matrix_comm_bytes_sent_per_rank": [int(t[1]) for t in gathered]}
+
+
 @torch.no_grad()
 def _evaluate(ctx: RunContext, step: int) -> float:
     cfg, per = ctx.cfg, ctx.cfg.global_batch // ctx.world
@@ -232,6 +246,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False) ->
             record = _train_step(ctx, step)
             if record["step"] % cfg.eval_every == 0 or record["step"] == cfg.steps:
                 record["val_loss"] = _evaluate(ctx, step)
+                record.update(_per_rank_bytes(ctx, record))
             writer.write(record)
             if record["step"] % cfg.checkpoint_every == 0 or record["step"] == cfg.steps:
                 writer.sync()  # the rows up to a checkpoint are on disk before it is
@@ -254,8 +269,8 @@ def _progress(ctx: RunContext, start: int):
         return None
     from tqdm import tqdm
 
-    return tqdm(total=ctx.cfg.steps, initial=start, desc=f"train {ctx.cfg.optimizer}", unit="step",
-                dynamic_ncols=True)
+    desc = os.environ.get(PROGRESS_DESC_ENV) or f"train {ctx.cfg.optimizer}"
+    return tqdm(total=ctx.cfg.steps, initial=start, desc=desc, unit="step", dynamic_ncols=True)
 
 
 class _MetricsWriter:

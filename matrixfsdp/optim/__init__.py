@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from .defaults import (
+    RecommendedHyperparameters,
+    recommended_hyperparameters,
+    recommended_optimizer_names,
+)
 from .matrix_optimizer import MatrixOptimizer, state_bytes
 from .registry import (
     MatrixOptimizerSpec,
@@ -13,8 +18,11 @@ from .registry import (
 __all__ = [
     "MatrixOptimizer",
     "MatrixOptimizerSpec",
+    "RecommendedHyperparameters",
     "get_matrix_optimizer",
     "matrix_optimizer_names",
+    "recommended_hyperparameters",
+    "recommended_optimizer_names",
     "register_matrix_optimizer",
     "state_bytes",
 ]

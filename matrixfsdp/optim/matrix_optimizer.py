@@ -71,6 +71,25 @@ class MatrixOptimizer(torch.optim.Optimizer):
             costs one scalar all-reduce (see [Note: skipping non-finite steps]).
         **optimizer_kwargs: the matrix optimizer's hyperparameters (e.g. Muon's ``momentum``,
             ``nesterov``, ``ns_steps``; OKLS's ``beta1``, ``beta2``, ``eps``).
+
+    Recommended hyperparameters: the keyword defaults above are Muon's; each built-in optimizer
+    has its own, from its reference implementation and checked on ``matrixfsdp train``'s default
+    task ([Note: recommended hyperparameters] in ``matrixfsdp.optim.defaults``; ``matrixfsdp
+    train`` applies them unless you set a value)::
+
+        rec = matrixfsdp.optim.recommended_hyperparameters("soap")
+        opt = MatrixOptimizer(model, optimizer="soap", **rec.matrix_optimizer_kwargs())
+
+    ========  =======  =====  =============================================  ==========
+    name      lr       wd     key hyperparameters                            tail lr
+    ========  =======  =====  =============================================  ==========
+    muon      0.02     0.01   momentum 0.95, Nesterov, 5 Newton-Schulz steps  3e-3
+    okls      0.09434  0.0303 beta1 0.9684, beta2 0.9482, eps 1e-9 (AdamC)    3e-3
+    soap      3e-3     0.01   betas (0.95, 0.95), precondition_frequency 10  3e-3
+    shampoo   3e-3     1e-5   betas (0.9, 0.999), Adam grafting, roots/step  3e-3
+    emagram   0.06     0.01   betas (0.95, 0.95), eps 1e-6 (relative)        3e-3
+    adamw     3e-3     0.01   betas (0.9, 0.999), eps 1e-8                   = lr
+    ========  =======  =====  =============================================  ==========
     """
 
     def __init__(

@@ -53,7 +53,8 @@ def init_owned_state(
             tensors[block_state_key(key, index, len(blocks))] = value.contiguous()
     if isinstance(p, DTensor):
         tensors = {k: _as_stack_dtensor(v, p) for k, v in tensors.items()}
-    tensors["step"] = torch.zeros((), dtype=torch.float32)
+    # A host tensor on every device, as torch.optim keeps it: reading it never syncs a device.
+    tensors["step"] = torch.zeros((), dtype=torch.float32, device="cpu")
     return tensors
 
 
@@ -71,7 +72,7 @@ def owned_blocks(p: Tensor, state: dict[str, Tensor], layout: MatrixLayout) -> l
     params = block_views(local(p), layout)
     assert p.grad is not None  # the caller steps parameters with gradients only
     grads = block_views(local(p.grad), layout)
-    step = int(state["step"].item())
+    step = int(state["step"].item())  # a host tensor (init_owned_state): no device sync
     keys = [k for k in state if k != "step"]
     if len(params) == 1:
         return [OwnedMatrix(params[0], grads[0], {k: local(state[k]) for k in keys}, step)]

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
-from dataclasses import dataclass
+import functools
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from ..collectives import OwnerComm, Pending, ReplicateComm
 from .matrix_param import MatrixParam
+from .streams import InFlight, RuntimeStreams
 
-__all__ = ["GroupState", "MatrixGroup", "PendingAllReduce", "PendingReduce"]
+__all__ = ["GradHandoff", "GroupState", "MatrixGroup"]
 
 
 class GroupState(enum.Enum):
@@ -21,22 +23,16 @@ class GroupState(enum.Enum):
     UNSHARDED = "unsharded"  # every rank holds every matrix of the group
 
 
-@dataclass
-class PendingReduce:
-    """A gradient reduction in flight: ``owned`` is this rank's summed segment once waited."""
+class GradHandoff(NamedTuple):
+    """Owners' averaged gradients, computed on a side stream, not yet in ``.grad``.
 
-    group: MatrixGroup
-    owned: torch.Tensor
-    pending: Pending
+    ``flags[i]`` counts the ranks that had a gradient for ``params[i]`` (a device tensor: the
+    host reads every group's flags at once when gradients land, see [Note: streams]).
+    """
 
-
-@dataclass
-class PendingAllReduce:
-    """HSDP: an owner's summed segment being all-reduced over its replicate group."""
-
-    group: MatrixGroup
-    owned: torch.Tensor
-    pending: Pending
+    params: list[MatrixParam]
+    grads: list[torch.Tensor]
+    flags: torch.Tensor
 
 
 class MatrixGroup:
@@ -63,6 +59,7 @@ class MatrixGroup:
         *,
         reduce_dtype: torch.dtype | None = None,
         replicate: ReplicateComm | None = None,
+        streams: RuntimeStreams | None = None,
     ) -> None:
         self.name = name
         self.module = module
@@ -70,6 +67,7 @@ class MatrixGroup:
         self.comm = comm
         self.replicate = replicate
         self.reduce_dtype = reduce_dtype
+        self._streams = streams if streams is not None else RuntimeStreams()
         # Owners' summed segments kept while the replicate all-reduce is off (accumulation).
         self._unreduced: torch.Tensor | None = None
         world = comm.world_size
@@ -79,8 +77,13 @@ class MatrixGroup:
         self.trainable_by = [[p for p in owned if p.requires_grad] for owned in self.owned_by]
         self.reduce_numels = [sum(p.numel + 1 for p in owned) for owned in self.trainable_by]
         self.state = GroupState.SHARDED
-        self._gather: Pending | None = None
+        self._gather: InFlight[None] | None = None
         self.begin_iteration()
+
+    @property
+    def streams(self) -> RuntimeStreams:
+        """The model's side streams, bound to this group's device (see [Note: streams])."""
+        return self._streams.bind(self._device())
 
     def begin_iteration(self) -> None:
         """Reset this group's progress through one forward/backward (see the state's Note)."""
@@ -89,26 +92,39 @@ class MatrixGroup:
 
     # -- unshard / reshard ------------------------------------------------------------------------
     def unshard(self, *, async_op: bool = False) -> None:
-        """Allocate storage and start the owner-segment all-gather (idempotent)."""
+        """Allocate storage and start the owner-segment all-gather (idempotent).
+
+        Storage is allocated on compute; copy-in, gather and (on CUDA) copy-out run on the
+        gather stream (see [Note: streams]).
+        """
         if self.state is not GroupState.SHARDED:
             return
         for p in self.params:
             p.alloc()
-        # Each segment as its matrices: the owner's are sent from where they live, the peers'
-        # land straight in their (just allocated) storage.
-        parts = [[p.own_values() if rank == self.comm.rank else p.gather_target() for p in owned]
-                 for rank, owned in enumerate(self.owned_by)]
-        self._gather = self.comm.all_gather_into(parts, async_op=async_op)
+        streams = self.streams
+        self._gather = streams.issue(streams.gather, self._start_gather)
         self.state = GroupState.GATHERING
         if not async_op:
             self.wait_unshard()
 
+    def _start_gather(self) -> tuple[Pending, Callable[[], None]]:
+        # Each segment as its matrices: the owner's are sent from where they live, the peers'
+        # land straight in their (just allocated) storage; nothing is left to copy out.
+        parts = [[p.own_values() if rank == self.comm.rank else p.gather_target() for p in owned]
+                 for rank, owned in enumerate(self.owned_by)]
+        return self.comm.all_gather_into(parts, async_op=True), _nothing
+
+    @property
+    def gather_event(self) -> object:
+        """The in-flight gather's event after its copy-out (None on the host, or not issued)."""
+        return self._gather.event if self._gather is not None else None
+
     def wait_unshard(self) -> None:
-        """Finish an in-flight gather (every peer's matrices are then in their storage)."""
+        """Finish an in-flight gather: its segments are in the matrices, compute waits for them."""
         if self.state is not GroupState.GATHERING:
             return
         assert self._gather is not None  # internal invariant of the state machine
-        self._gather.wait()
+        self._gather.finish()
         self._gather = None
         self.state = GroupState.UNSHARDED
 
@@ -116,11 +132,11 @@ class MatrixGroup:
         """Free non-owned storage (owners keep their pinned matrices).
 
         A gather still in flight is waited and its output dropped (the collective must complete
-        before the storage it writes into can go).
+        before the storage it writes into can go, and compute waits for it before that is freed).
         """
         if self.state is GroupState.GATHERING:
             assert self._gather is not None  # internal invariant of the state machine
-            self._gather.wait()
+            self._gather.discard()
             self._gather = None
         for p in self.params:
             p.free()
@@ -135,13 +151,23 @@ class MatrixGroup:
             p.use_sharded()
 
     # -- gradients --------------------------------------------------------------------------------
-    def reduce_grads(self) -> PendingReduce:
-        """Pack local gradients (+ presence flags) by owner and start the reduction."""
+    def reduce_grads(self) -> InFlight[GradHandoff | torch.Tensor | None]:
+        """Pack local gradients (+ presence flags) by owner and start the reduction.
+
+        Its result, once complete: the owners' ``GradHandoff``, or under HSDP the owned summed
+        segment (a copy) for the all-reduce; ``None`` on a rank that owns no trainable matrix.
+        """
+        streams = self.streams
+        return streams.issue(streams.reduce, self._start_reduce)
+
+    def _start_reduce(self) -> tuple[Pending, Callable[[], GradHandoff | torch.Tensor | None]]:
         flat = self._pack_grads()
         owned, pending = self.comm.reduce_to_owners(flat, self.reduce_numels, async_op=True)
-        return PendingReduce(self, owned, pending)
+        return pending, functools.partial(self._after_reduce, owned)
 
     def _pack_grads(self) -> torch.Tensor:
+        """Copy-in, on the reduce stream; each gradient is released once that copy has run."""
+        streams = self.streams
         dtype = self._reduce_dtype()
         flat = torch.empty(sum(self.reduce_numels), dtype=dtype, device=self._device())
         offset = 0
@@ -153,64 +179,70 @@ class MatrixGroup:
                     slot.zero_()
                 else:
                     slot.copy_(grad.reshape(-1))
+                    streams.ops.keep_until_done(grad, streams.reduce)  # made on compute
                 flat[offset + p.numel] = 0.0 if grad is None else 1.0
                 offset += p.numel + 1
                 p.unsharded.grad = None
         return flat
+
+    def _after_reduce(self, owned: torch.Tensor) -> GradHandoff | torch.Tensor | None:
+        """The reduction's consume step (on the reduce stream)."""
+        if not self.trainable_by[self.comm.rank]:
+            return None
+        if self.replicate is None:
+            return self.average_owned(owned)
+        # A copy: the reduction's output is a view of the group's full buffer, freed next.
+        owned = owned.clone()
+        if self._unreduced is not None:
+            owned.add_(self._unreduced)
+            self._unreduced = None
+        return owned
 
     @property
     def grad_divisor(self) -> int:
         """Ranks whose gradients are averaged: the shard group times the replicas (HSDP)."""
         return self.comm.world_size * (self.replicate.world_size if self.replicate else 1)
 
-    def finish_reduce(self, reduce: PendingReduce, *,
-                      all_reduce: bool = True) -> PendingAllReduce | None:
-        """Wait; then average into the owned matrices' ``.grad``, or, under HSDP, start the
-        all-reduce of the owned segment over the replicate group and return it.
+    def finish_reduce(
+        self, reduce: InFlight[GradHandoff | torch.Tensor | None], *, all_reduce: bool = True
+    ) -> GradHandoff | InFlight[GradHandoff] | None:
+        """Complete a reduction (compute does not wait for it, see [Note: streams]).
 
-        With ``all_reduce=False`` (HSDP accumulation) the owned sum is kept, unreduced over the
-        replicas, and added to the next reduction that all-reduces.
+        Returns the owners' ``GradHandoff``, or under HSDP the all-reduce of the owned segment
+        over the replicate group, started now on the all-reduce stream. With
+        ``all_reduce=False`` (HSDP accumulation) the owned sum is kept, unreduced over the
+        replicas, and added into the next reduction that all-reduces.
         """
-        reduce.pending.wait()
-        if not self.trainable_by[self.comm.rank]:
-            return None
-        if self.replicate is None:
-            self.accumulate_owned(reduce.owned)
-            return None
-        # A copy: the reduction's output is a view of the group's full buffer, freed right now.
-        owned = reduce.owned.clone()
-        if self._unreduced is not None:
-            owned.add_(self._unreduced)
-            self._unreduced = None
+        result = reduce.complete()
+        if result is None or isinstance(result, GradHandoff):
+            return result
         if not all_reduce:
-            self._unreduced = owned
+            self._unreduced = result
             return None
-        pending = self.replicate.all_reduce(owned, async_op=True)
-        return PendingAllReduce(self, owned, pending)
+        streams = self.streams
+        streams.ops.keep_until_done(result, streams.all_reduce)  # allocated on the reduce stream
+        return streams.issue(streams.all_reduce, functools.partial(self._start_all_reduce, result),
+                             after=reduce.event)
 
-    def finish_all_reduce(self, work: PendingAllReduce) -> None:
-        work.pending.wait()
-        self.accumulate_owned(work.owned)
+    def _start_all_reduce(self, owned: torch.Tensor) -> tuple[Pending, Callable[[], GradHandoff]]:
+        pending = self.replicate.all_reduce(owned, async_op=True)  # type: ignore[union-attr]
+        return pending, functools.partial(self.average_owned, owned)
 
-    def accumulate_owned(self, owned: torch.Tensor) -> None:
-        """Give each owned matrix its averaged gradient from the summed segment (or leave None)."""
+    def average_owned(self, owned: torch.Tensor) -> GradHandoff:
+        """Each owned matrix's averaged gradient from the summed segment, and its flag.
+
+        No host synchronisation: whether a gradient exists is decided when it lands.
+        """
         mine = self.trainable_by[self.comm.rank]
-        starts = [0]
-        for p in mine:
-            starts.append(starts[-1] + p.numel + 1)
-        flag_index = torch.tensor([s - 1 for s in starts[1:]], device=owned.device)
-        present = owned.index_select(0, flag_index).tolist()  # one host sync per group
         divisor = self.grad_divisor
-        for p, start, flag in zip(mine, starts, present, strict=False):
-            if flag <= 0:
-                continue  # no rank produced a gradient: stays None, as on one device
+        grads, flags, start = [], [], 0
+        for p in mine:
             values = owned[start : start + p.numel].view(p.shape)
             # A standalone tensor: a view would keep the whole group buffer alive.
-            grad = torch.div(values, divisor).to(p.dtype)
-            if p.sharded.grad is None:
-                p.sharded.grad = grad
-            else:
-                p.sharded.grad.add_(grad)
+            grads.append(torch.div(values, divisor).to(p.dtype))
+            flags.append(owned[start + p.numel : start + p.numel + 1])
+            start += p.numel + 1
+        return GradHandoff(mine, grads, torch.cat(flags).float())
 
     # -- helpers ----------------------------------------------------------------------------------
     def _device(self) -> torch.device:
@@ -224,3 +256,28 @@ class MatrixGroup:
 
     def __repr__(self) -> str:
         return f"MatrixGroup({self.name!r}, {len(self.params)} matrices, {self.state.value})"
+
+
+def land_grads(handoffs: Sequence[GradHandoff]) -> None:
+    """Put averaged gradients into ``.grad`` (added to existing ones); matrices no rank had a
+    gradient for keep theirs (``None`` stays ``None``, as on one device).
+
+    One host synchronisation for all of ``handoffs`` (their flags read at once); the caller made
+    compute wait for the streams that produced them.
+    """
+    if not handoffs:
+        return
+    flags = torch.cat([h.flags for h in handoffs]).tolist()
+    i = 0
+    for handoff in handoffs:
+        for p, grad in zip(handoff.params, handoff.grads, strict=True):
+            if flags[i] > 0:
+                if p.sharded.grad is None:
+                    p.sharded.grad = grad
+                else:
+                    p.sharded.grad.add_(grad)
+            i += 1
+
+
+def _nothing() -> None:
+    """The consume step of a gather that received straight into the matrices."""

@@ -4,8 +4,8 @@
 Every collective the runtime issues asynchronously becomes one ``PendingWork`` entry in one FIFO
 ``WorkQueue`` owned by the model's state, and leaves it in exactly one of two ways:
 - *finish*: wait for it and consume its output (a gather writes the peers' segments into the
-  group's matrices; a reduction hands each owner its averaged gradient and frees the send and
-  receive buffers);
+  group's matrices; a reduction computes each owner's averaged gradient, which lands in
+  ``.grad`` when the queue is drained, and frees the send and receive buffers);
 - *discard*: wait for it and drop its output (a prefetched gather nobody will use: its storage is
   freed). Work whose output must not be lost (a reduction) discards by finishing.
 Bounds: at most ``limits[kind]`` entries of each kind are in flight. Pushing one more first
@@ -20,13 +20,16 @@ FIFO order of reductions on every rank, whenever they are retired).
 Under HSDP (see [Note: HSDP mesh]) a reduction's ``finish`` hands each owner its summed
 segment and issues one more collective: the all-reduce of that segment over the replicate group
 (``ALL_REDUCE``, at most one in flight, issued async and waited when the next one is pushed or at
-the end of backward, as FSDP2 overlaps its HSDP all-reduce). Its ``finish`` averages and
-accumulates the owners' gradients. It holds only the owned segment (a copy), never the group's
+the end of backward, as FSDP2 overlaps its HSDP all-reduce). Its ``finish`` hands over the owners'
+averaged gradients to land. It holds only the owned segment (a copy), never the group's
 full reduction buffer. A new kind of asynchronous work is one more ``WorkKind`` with its own
-limit, pushed by whatever issues it, so it is bounded and drained like the rest. On a GPU,
-``finish``/``discard`` can make the compute stream wait a CUDA event recorded
-after the collective on its stream (instead of blocking the host), and release the buffers to the
-caching allocator once that event is known complete; the queue's order and limits stay the same.
+limit, pushed by whatever issues it, so it is bounded and drained like the rest.
+Streams (see [Note: streams]): each entry's collective runs on a side stream, and ``event`` is
+the event recorded there after its consume step (``None`` on the host, where the consume step
+runs inside ``finish``). A gather's ``finish``/``discard`` makes compute wait that event instead
+of blocking the host; a reduction's gradients land after the queue is drained, once compute
+waited the events of every finished reduction. The queue's order and limits are the same on
+every device.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import enum
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .group import MatrixGroup
@@ -57,6 +60,7 @@ class PendingWork:
     group: MatrixGroup  # the group that issued it
     finish: Callable[[], None]
     discard: Callable[[], None] | None = None  # None: discarding means finishing
+    event: Any = None  # recorded on its side stream after the consume step (eager streams only)
 
     def drop(self) -> None:
         (self.discard or self.finish)()

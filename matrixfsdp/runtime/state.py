@@ -14,14 +14,16 @@
   the group that ran before it); the first one in a backward queues the end-of-backward callback.
 - Post-backward (gradient reaching the group's inputs): the autograd engine runs every
   AccumulateGrad node as soon as it is ready (highest priority), so all of the group's parameter
-  gradients are in place; wait the previous group's reduction (its owners' gradients land in
-  ``.grad`` and its buffers are freed; under HSDP its owners' all-reduce over the replicate
-  group starts instead, and the one before it lands), pack this group's gradients and start
-  their reduction to the owners (async), and reshard. This event happens at the same point of the backward on every
+  gradients are in place; complete the previous group's reduction (its owners' averaged
+  gradients are computed and its buffers freed; under HSDP its owners' all-reduce over the
+  replicate group starts instead, and the one before it completes), pack this group's gradients
+  and start their reduction to the owners (async), and reshard. This event happens at the same point of the backward on every
   rank, also when some matrix got no gradient on some rank, so every rank issues the same
   collectives in the same order.
 - End of backward: reduce groups whose post-backward never fired (their inputs needed no grad),
-  in registration order; retire all pending work; reshard everything.
+  in registration order; retire all pending work; land the owners' gradients in ``.grad`` (one
+  host synchronisation for all groups' presence flags); reshard everything. Which stream each
+  step runs on: [Note: streams].
 Activation-checkpoint recomputation re-enters the forward hooks inside backward; they then only
 swap parameters (``torch._C._current_graph_task_id() != -1`` tells us we are in backward).
 In-flight collectives live in one ``WorkQueue`` (see [Note: pending work]): at most one
@@ -46,10 +48,11 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..collectives import OwnerComm, Phase, comm_phase
 from ..planner import Plan
-from .group import GroupState, MatrixGroup, PendingReduce
+from .group import GradHandoff, GroupState, MatrixGroup, land_grads
 from .matrix_param import MatrixParam
 from .mesh import DataParallelMesh
 from .pending import PendingWork, WorkKind, WorkQueue
+from .streams import InFlight, RuntimeStreams
 
 __all__ = ["DEFAULT_IN_FLIGHT", "MatrixFSDPState", "in_backward"]
 
@@ -92,6 +95,7 @@ class MatrixFSDPState:
         mesh: DataParallelMesh,
         reshard_after_forward: bool,
         prefetch: bool = True,
+        streams: RuntimeStreams | None = None,
     ) -> None:
         self.root = root
         self.plan = plan
@@ -105,6 +109,12 @@ class MatrixFSDPState:
         self.requires_all_reduce = True  # HSDP: all-reduce owned gradients over the replicas
         self.params: dict[str, MatrixParam] = {p.fqn: p for g in self.groups for p in g.params}
         self.queue = WorkQueue.with_limits(DEFAULT_IN_FLIGHT)
+        # The side streams every group shares (see [Note: streams]).
+        self.streams = streams if streams is not None else RuntimeStreams()
+        for group in self.groups:
+            group._streams = self.streams
+        # Finished reductions whose gradients land at the end of backward: (handoff, event).
+        self._landing: list[tuple[GradHandoff, Any]] = []
         self._fsdp_modules: list[FSDPModule] | None = None  # found on first quiesce()
         self._last_forward_order: list[MatrixGroup] = []
         self._reset_iteration()
@@ -148,7 +158,7 @@ class MatrixFSDPState:
         self.queue.make_room(WorkKind.GATHER)
         group.unshard(async_op=True)
         self.queue.push(PendingWork(WorkKind.GATHER, group, finish=group.wait_unshard,
-                                    discard=group.reshard))
+                                    discard=group.reshard, event=group.gather_event))
 
     def _reshard(self, group: MatrixGroup) -> None:
         work = self.queue.take(WorkKind.GATHER, group)
@@ -234,15 +244,36 @@ class MatrixFSDPState:
         # that this group's buffers are allocated only after those are freed.
         self.queue.make_room(WorkKind.REDUCE)
         reduce = group.reduce_grads()
-        self.queue.push(PendingWork(WorkKind.REDUCE, group,
+        self.queue.push(PendingWork(WorkKind.REDUCE, group, event=reduce.event,
                                     finish=functools.partial(self._finish_reduce, group, reduce)))
 
-    def _finish_reduce(self, group: MatrixGroup, reduce: PendingReduce) -> None:
-        """Land a reduction; under HSDP its owners' all-reduce over the replicas starts now."""
-        all_reduce = group.finish_reduce(reduce, all_reduce=self.requires_all_reduce)
-        if all_reduce is not None:  # issued before the previous one is waited: they overlap
-            self.queue.push(PendingWork(WorkKind.ALL_REDUCE, group, finish=functools.partial(
-                group.finish_all_reduce, all_reduce)))
+    def _finish_reduce(self, group: MatrixGroup, reduce: InFlight) -> None:
+        """Complete a reduction; under HSDP its owners' all-reduce over the replicas starts now."""
+        outcome = group.finish_reduce(reduce, all_reduce=self.requires_all_reduce)
+        if isinstance(outcome, GradHandoff):
+            self._landing.append((outcome, reduce.event))
+        elif outcome is not None:  # issued before the previous one is waited: they overlap
+            self.queue.push(PendingWork(WorkKind.ALL_REDUCE, group, event=outcome.event,
+                                        finish=functools.partial(self._finish_all_reduce, outcome)))
+
+    def _finish_all_reduce(self, work: InFlight[GradHandoff]) -> None:
+        handoff = work.complete()
+        assert handoff is not None  # an all-reduce is only issued for owned gradients
+        self._landing.append((handoff, work.event))
+
+    def _drain(self) -> None:
+        """Retire all pending work, then land every finished reduction's gradients.
+
+        Compute waits each landing event first; the host then reads all presence flags at once
+        (the runtime's one host synchronisation per backward, see [Note: streams]).
+        """
+        self.queue.drain()
+        landing, self._landing = self._landing, []
+        if landing:
+            ops = self.streams.ops
+            for _, event in landing:
+                ops.current_waits(event)
+            land_grads([handoff for handoff, _ in landing])
 
     def _queue_final_callback(self) -> None:
         if not self._callback_queued:
@@ -254,7 +285,7 @@ class MatrixFSDPState:
             if self.requires_grad_sync:
                 for group in self.groups:  # registration order: the same on every rank
                     self._reduce(group)
-            self.queue.drain()
+            self._drain()
         for group in self.groups:
             group.reshard()
             group.use_sharded()
@@ -264,7 +295,7 @@ class MatrixFSDPState:
     # -- control ----------------------------------------------------------------------------------
     def retire_pending(self) -> None:
         """Retire every pending collective and reshard every group (matrices only; local)."""
-        self.queue.drain()
+        self._drain()
         for group in self.groups:
             group.reshard()
             group.use_sharded()
