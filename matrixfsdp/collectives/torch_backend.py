@@ -257,8 +257,6 @@ def reduce_form(impl: str, *, gloo: bool) -> Literal["alltoall", "reduce", "allr
     return "allreduce" if gloo else "reduce"
 
 
-
-
 def _issued(works: Sequence[object], async_op: bool, keepalive: Sequence[object]) -> Pending:
     pending = Pending([w for w in works if w is not None], keepalive=keepalive)  # sync: None
     if not async_op:
