@@ -9,8 +9,10 @@ DTensor's and the library's alike), with the input shape and dtype the backend r
 - all_gather: (N-1)·s          - all_reduce: 2(N-1)/N·n (ring; gloo runs FSDP2's
 - reduce_scatter: (N-1)/N·n      reduce-scatter as an all-reduce of the whole buffer)
 - all_to_all: this rank's output bytes (the output size comes from the matching
-  ``c10d::alltoall_base_`` event; matrixfsdp's gradient reduction also carries each owner's own
-  segment to itself, a local copy the output size includes)
+  ``c10d::alltoall_base_`` event; the DistMuon baseline also carries each rank's own rows to
+  itself, a local copy the output size includes). matrixfsdp's *exchange* (one
+  ``batch_isend_irecv`` of sends and receives, see ``TorchOwnerComm``) counts as one all_to_all:
+  its ``send``/``recv`` events' bytes (recorded by a wrapper while counting), nothing to itself
 - broadcast: n on non-roots, 0 on the root;  reduce: (N-1)·n on the root, 0 elsewhere (the root
   is recorded by a wrapper around ``torch.distributed.broadcast``/``reduce`` while counting)
 Tables show the busiest rank. ``size`` is the op's logical size (all_gather: the output; all_to_all:
@@ -83,6 +85,29 @@ def _nbytes(shapes: list[Any], dtypes: list[str]) -> int:
 
 
 @contextlib.contextmanager
+def _batch_log() -> Iterator[list[Collective]]:
+    """Record every ``dist.batch_isend_irecv`` call as one all_to_all (phase left empty)."""
+    log: list[Collective] = []
+    original = dist.batch_isend_irecv
+
+    def wrapper(ops: list[Any]) -> Any:
+        log.append(_exchange_record("", ops))
+        return original(ops)
+
+    dist.batch_isend_irecv = wrapper
+    try:
+        yield log
+    finally:
+        dist.batch_isend_irecv = original
+
+
+def _exchange_record(phase: str, ops: list[Any]) -> Collective:
+    sent = sum(o.tensor.numel() * o.tensor.element_size() for o in ops if o.op is dist.isend)
+    recv = sum(o.tensor.numel() * o.tensor.element_size() for o in ops if o.op is dist.irecv)
+    return Collective(phase, "all_to_all", max(sent, recv), recv, sent)
+
+
+@contextlib.contextmanager
 def _rooted_log() -> Iterator[list[tuple[str, bool]]]:
     """Record (op, am_root) of every ``dist.broadcast``/``dist.reduce`` call, in call order."""
     log: list[tuple[str, bool]] = []
@@ -106,18 +131,20 @@ def _rooted_log() -> Iterator[list[tuple[str, bool]]]:
 
 def count_collectives(phase: str, fn: Callable[[], Any], world: int) -> tuple[Any, list[Collective]]:
     """Run ``fn()`` under the profiler; return its result and every backend collective it issued."""
-    with _rooted_log() as roots, profile(activities=[ProfilerActivity.CPU],
-                                         record_shapes=True) as prof:
+    with _rooted_log() as roots, _batch_log() as batches, profile(
+            activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         result = fn()
     events = sorted(prof.profiler.kineto_results.events(), key=lambda e: e.start_ns())
     a2a_out = [_nbytes(e.shapes()[:1], e.dtypes()[:1]) for e in events
                if e.name() == "c10d::alltoall_base_"]
     backend = [e for e in events if e.name().startswith(_BACKENDS)]
     rooted = {op: iter([am_root for o, am_root in roots if o == op]) for op in ("broadcast", "reduce")}
-    out = []
+    out = [Collective(phase, b.op, b.size, b.recv, b.sent) for b in batches]
     for e in backend:
         op = e.name().split(":", 1)[1]
         s = _nbytes(e.shapes(), e.dtypes())
+        if op in ("send", "recv"):  # parts of a logged exchange
+            continue
         if op == "all_to_all":
             o = a2a_out.pop(0) if a2a_out else s
             out.append(Collective(phase, op, max(s, o), o, s))
@@ -191,8 +218,17 @@ def count_by_dim(dims: dict[tuple[int, ...], str],
 
         return wrapper
 
+    def wrap_batch(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(ops: list[Any]) -> Any:
+            ranks = tuple(dist.get_process_group_ranks(ops[0].group or dist.group.WORLD))
+            out.append((dims.get(ranks, "other"), _exchange_record(phase, ops)))
+            return fn(ops)
+
+        return wrapper
+
+    originals["batch_isend_irecv"] = dist.batch_isend_irecv
     for op, fn in originals.items():
-        setattr(dist, op, wrap(op, fn))
+        setattr(dist, op, wrap_batch(fn) if op == "batch_isend_irecv" else wrap(op, fn))
     try:
         yield out
     finally:

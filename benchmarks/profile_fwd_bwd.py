@@ -111,11 +111,17 @@ def main(argv: list[str] | None = None) -> None:
                       strategies=tuple(args.strategies))
     results = run_world(args.world, profile_worker, cfg, args.profiled)
     print(f"# forward+backward, world {args.world}, {args.steps} interleaved steps")
+    steps = {name: [max(r["times"][name][i] for r in results) for i in range(args.steps)]
+             for name in args.strategies}
+    first = args.strategies[0]
     for name in args.strategies:
-        per_step = [max(r["times"][name][i] for r in results) for i in range(args.steps)]
+        per_step = steps[name]
         prof = results[0]["profiles"][name]
-        print(f"\n## {name}: median {statistics.median(per_step) * 1e3:.1f} ms (slowest rank); "
-              f"profiled wall {prof['wall'] * 1e3:.1f} ms/step on rank 0")
+        # per-step ratios to the first strategy, run back to back: robust to load drifting
+        paired = statistics.median(a / b for a, b in zip(per_step, steps[first], strict=True))
+        print(f"\n## {name}: median {statistics.median(per_step) * 1e3:.1f} ms (slowest rank), "
+              f"paired ÷ {first} {paired:.3f}; profiled wall {prof['wall'] * 1e3:.1f} ms/step "
+              f"on rank 0")
         for cat, sec in sorted(prof["categories"].items(), key=lambda kv: -kv[1]):
             print(f"  {cat:36s} {sec * 1e3:8.1f} ms")
         print("  top self-CPU operators (main thread):")

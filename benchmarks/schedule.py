@@ -145,8 +145,9 @@ def _fsdp(setup: Setup, role: str | None, resharded: bool = True) -> list[Op]:
 
 def _a2a(phase: str, world: int, pairs: dict[tuple[int, int], int], self_copy: bool = False,
          group: str = "world") -> Op:
-    """An all-to-all; ``self_copy``: each rank's segment to itself is in the buffers (a local
-    copy that the profiler's output size includes), as in matrixfsdp's gradient reduction."""
+    """An all-to-all (or matrixfsdp's exchange of point-to-point sends, the same traffic);
+    ``self_copy``: each rank's segment to itself is in the buffers (a local copy that the
+    profiler's output size includes), as in the DistMuon baseline's ``all_to_all_single``."""
     grid = [[0] * world for _ in range(world)]
     for (src, dst), nbytes in pairs.items():
         if src != dst or self_copy:
@@ -164,11 +165,26 @@ def _owner_segments(setup: Setup, unit: str) -> dict[int, tuple[int, int]]:
     return seg
 
 
+def _forms(impl: str, owners: int, n: int, gloo: bool) -> tuple[str, str]:
+    """(gather, reduce) forms of one group, by ``TorchOwnerComm``'s rule (its docstring):
+    "p2p" is broadcast per matrix / reduce per segment, "alltoall" the exchange; "auto" on gloo
+    broadcasts and all-reduces, on NCCL exchanges gathers while owners >= (N - 1) / 2 and
+    reduces per segment."""
+    if impl == "p2p":
+        return "broadcast", "reduce"
+    if impl == "alltoall":
+        return "alltoall", "alltoall"
+    if gloo:
+        return "broadcast", "allreduce"
+    return ("alltoall" if owners >= (n - 1) / 2 else "broadcast"), "reduce"
+
+
 def _matrixfsdp(setup: Setup, impl: str) -> list[Op]:
-    """``impl``: "alltoall", "p2p", or "auto" (the library default: per group, one all-to-all
-    while the group's owners number at least (N − 1) / 2, else broadcast / reduce). Under HSDP
-    inside the shard group, and each owner's summed segment is then all-reduced over its
-    replicate group (one call per group and owner, values and presence flags)."""
+    """``impl``: "alltoall" (one exchange of point-to-point sends per group, the traffic of an
+    uneven all-to-all), "p2p" (one broadcast per matrix, one reduce per owner segment), or
+    "auto" (the library default, ``_forms``). Under HSDP inside the shard group, and each
+    owner's summed segment is then all-reduced over its replicate group (one call per group and
+    owner, values and presence flags)."""
     n, d = setup.shard, setup.dtypes
     g = "shard" if setup.replicate > 1 else "world"
     ops = _fsdp(setup, "tail")
@@ -177,21 +193,23 @@ def _matrixfsdp(setup: Setup, impl: str) -> list[Op]:
             seg = _owner_segments(setup, unit)
             if not seg:
                 continue
-            unit_impl = impl
-            if impl == "auto":
-                unit_impl = "alltoall" if len(seg) >= (n - 1) / 2 else "p2p"
+            gather, reduce = _forms(impl, len(seg), n, setup.gloo)
             for kind in kinds:
                 if n == 1:  # one rank per shard group: nothing moves inside it
                     continue
-                if kind == "gather" and unit_impl == "alltoall":
+                if kind == "gather" and gather == "alltoall":
                     pairs = {(o, r): e * d.gather for o, (e, _) in seg.items() for r in range(n)}
                     ops.append(_a2a(phase, n, pairs, group=g))
                 elif kind == "gather":
-                    ops += [Op(phase, "broadcast", e * d.gather, root=o, group=g)
-                            for o, (e, _) in seg.items()]
-                elif unit_impl == "alltoall":
+                    ops += [Op(phase, "broadcast", numel(p.shape) * d.gather,
+                               root=int(p.owner_rank), group=g)  # type: ignore[arg-type]
+                            for p in setup.params_of(unit, "matrix")]
+                elif reduce == "alltoall":
                     pairs = {(r, o): (e + c) * d.grad for o, (e, c) in seg.items() for r in range(n)}
-                    ops.append(_a2a(phase, n, pairs, self_copy=True, group=g))
+                    ops.append(_a2a(phase, n, pairs, group=g))
+                elif reduce == "allreduce":
+                    flat = sum(e + c for e, c in seg.values()) * d.grad
+                    ops.append(Op(phase, "all_reduce", flat, group=g))
                 else:
                     ops += [Op(phase, "reduce", (e + c) * d.grad, root=o, group=g)
                             for o, (e, c) in seg.items()]

@@ -94,9 +94,12 @@ def fully_shard_matrix(
             in ``reduce_dtype`` (default: the parameter's own dtype), owners keep the master.
         planner: an ``LPTPlanner``, a cost-model name (``"bytes"``, ``"muon"``, ``"okls"``, ...)
             or a callable ``(specs, world_size) -> Plan``; ``None`` balances resident bytes.
-        collectives: how owner segments move: one uneven all-to-all per group (``"alltoall"``),
-            one broadcast / reduce per owner segment (``"p2p"``), or ``"auto"``: per group,
-            all-to-all while its owners cover about half the ranks or more, else p2p (see
+        collectives: how owner segments move: one exchange of point-to-point sends per group,
+            the traffic of an uneven all-to-all (``"alltoall"``), one broadcast per matrix and
+            one reduce per owner segment (``"p2p"``), or ``"auto"``: the forms that hold no
+            buffer and run fastest on the backend: on NCCL, gathers exchange while a group's
+            owners cover about half the ranks or more, else broadcast, and gradients reduce
+            per segment; on gloo, broadcasts and one all-reduce per group (see
             ``TorchOwnerComm``). ``"nvshmem"``: one-sided put-with-signal transfers through
             nvshmem4py (``pip install 'matrixfsdp[nvshmem]'``; CUDA, ranks on one host); where
             it cannot run, one warning names the reason and the ``"auto"`` path is used

@@ -259,11 +259,13 @@ class MatrixMemory:
     - ``gathered``: the group's matrices whole, in the compute dtype, that this rank holds while
       the group is unsharded: the ones it does not own (and its own too when the compute dtype
       differs from the master's: a cast copy).
-    - ``gather_buffers``: a gather's buffers: all-to-all form, the own segment repeated N−1
-      times and every other segment; broadcast form, every other segment.
+    - ``gather_buffers``: what a gather holds besides those matrices: nothing, in either form
+      (``TorchOwnerComm`` sends from the owner's storage and receives into the peers'); the
+      field stays for backends that pack segments.
     - ``grads``: the group's full-size gradients (compute dtype), which every rank computes.
     - ``reduce_buffers``: a reduction's packed buffer (every trainable matrix + a presence flag,
-      reduce dtype) and, all-to-all form, the receive buffer (N copies of the own segment).
+      reduce dtype) and, exchange form (``collectives="alltoall"``), the owner's receive buffers
+      (N − 1 copies of its segment); the forms ``"auto"`` picks reduce in place.
     - ``all_reduce_buffer``: under HSDP (``plan.mesh_shape`` with replicas), the copy of this
       rank's summed segment (values and flags) being all-reduced over its replicate group.
     ``owned`` is the bytes of the matrices this rank owns (each also gets a gradient of the same
@@ -295,8 +297,6 @@ def matrix_memory(plan: Plan, rank: int, *, collectives: str = "auto",
     runtime does); the item sizes default to the matrices' own dtype. ``rank`` is the rank in
     the plan's world: under HSDP, the shard coordinate.
     """
-    from .collectives.torch_backend import uses_p2p
-
     world = plan.world_size
     members: dict[str, list[Any]] = {}
     for m in plan.matrices:
@@ -309,15 +309,11 @@ def matrix_memory(plan: Plan, rank: int, *, collectives: str = "auto",
         counts = [sum(1 for m in group if m.owner_rank == r) for r in range(world)]
         own, total = numels[rank], sum(numels)
         gathered = (total - own if size == master else total) * size
-        if world == 1:
-            buffers = recv = 0
-        elif uses_p2p("broadcast" if collectives == "p2p" else collectives, numels, world):
-            buffers, recv = (total - own) * size, 0
-        else:
-            buffers = (total - own + (world - 1) * own) * size
-            recv = world * (own + counts[rank]) * red
+        recv = 0
+        if world > 1 and collectives == "alltoall":  # "auto" never reduces by exchange
+            recv = (world - 1) * (own + counts[rank]) * red
         flat = (total + sum(counts)) * red
         all_reduce = (own + counts[rank]) * red if plan.replicate_size > 1 else 0
-        groups[name] = GroupBytes(gathered, buffers, total * size, flat + recv, all_reduce)
+        groups[name] = GroupBytes(gathered, 0, total * size, flat + recv, all_reduce)
     owned = sum(m.nbytes for m in plan.owned_by(rank) if m.role == "matrix")
     return MatrixMemory(owned, groups)

@@ -27,7 +27,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-__all__ = ["DEVICES", "device_type", "run_subtests", "run_world", "test_device"]
+__all__ = ["DEVICES", "cpu_rank_context", "device_type", "run_subtests", "run_world", "test_device"]
 
 # Parametrize a test over the test devices: the CUDA case carries the ``gpu`` marker.
 DEVICES = ("cpu", pytest.param("cuda", marks=pytest.mark.gpu))
@@ -46,6 +46,22 @@ test_device.__test__ = False  # a helper, not a test, for pytest's collector
 def device_type() -> str:
     """``test_device().type``, e.g. for ``init_device_mesh``."""
     return _device.type
+
+
+def cpu_rank_context() -> Any:
+    """How CPU ranks are started: forked, except on a CUDA/ROCm build of torch.
+
+    There the autograd engine starts its device threads at the first backward of the test
+    process (some tests run one in-process), and a child forked after that cannot run autograd
+    ("Unable to handle autograd's threading in combination with fork-based multiprocessing").
+    A fork server forked before any test ran (torch preloaded, so ranks still start fast) avoids
+    it; rank functions and their arguments must then pickle. CPU-only builds (CI) fork.
+    """
+    if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
+        return mp.get_context("fork")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "matrixfsdp"])
+    return ctx
 
 
 def _free_port() -> int:
@@ -97,7 +113,7 @@ def run_world(world: int, fn: Callable, *args: Any, device: str = "cpu",
               timeout: float = 600.0) -> None:
     """Run ``fn(rank, world, *args)`` on ``world`` ranks on ``device``; raise on any failure.
 
-    CPU: forked gloo ranks. CUDA: spawned NCCL ranks (``fn`` and ``args`` must pickle), one GPU
+    CPU: forked gloo ranks (see ``cpu_rank_context``). CUDA: spawned NCCL ranks (``fn`` and ``args`` must pickle), one GPU
     each; skipped when the machine has fewer than ``world`` GPUs.
     """
     if device not in ("cpu", "cuda"):
@@ -106,7 +122,7 @@ def run_world(world: int, fn: Callable, *args: Any, device: str = "cpu",
         available = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if available < world:
             pytest.skip(f"needs {world} CUDA devices (this machine has {available})")
-    ctx = mp.get_context("spawn" if device == "cuda" else "fork")
+    ctx = mp.get_context("spawn") if device == "cuda" else cpu_rank_context()
     queue = ctx.Queue()
     port = _free_port()
     procs = [

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .dist_utils import _free_port
+from .dist_utils import _free_port, cpu_rank_context
 
 __all__ = ["TINY_TRAIN", "metric_steps", "read_metrics", "start_world", "train_rank", "wait_exit"]
 
@@ -54,7 +54,7 @@ def start_world(world: int, target: Callable, *args: Any, log_dir: Path,
                 env: dict[str, str] | None = None) -> list[mp.Process]:
     """Fork ``world`` ranks running ``target``; returns the processes (already started)."""
     log_dir.mkdir(parents=True, exist_ok=True)
-    ctx = mp.get_context("fork")
+    ctx = cpu_rank_context()
     port = _free_port()
     procs = [ctx.Process(target=_rank_entry, args=(r, world, port, env or {}, str(log_dir), target, args))
              for r in range(world)]

@@ -311,9 +311,15 @@ class _CheckedOwnerComm(OwnerComm):
         stream = self._on_comm([own], others)
         return segments, _CommPending(self.ops, stream, pending)
 
+    def all_gather_into(self, parts, *, async_op=False):
+        pending = self.inner.all_gather_into(parts, async_op=async_op)
+        others = [t for r, part in enumerate(parts) if r != self.rank for t in part]
+        stream = self._on_comm(list(parts[self.rank]), others)
+        return _CommPending(self.ops, stream, pending)
+
     def reduce_to_owners(self, flat, numels, *, async_op=False):
         owned, pending = self.inner.reduce_to_owners(flat, numels, async_op=async_op)
-        stream = self._on_comm([flat], [owned])
+        stream = self._on_comm([flat], [flat])  # reduced in place (owned is a view of it)
         return owned, _CommPending(self.ops, stream, pending)
 
     def all_reduce_scalar(self, value, op="sum"):

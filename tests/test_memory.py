@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 
 import matrixfsdp as mf
 from matrixfsdp.checkpoint import load_full_state_dict
+from matrixfsdp.collectives import TorchOwnerComm
 from matrixfsdp.memory import LiveBytesTracker, matrix_memory
 from matrixfsdp.runtime import GroupState
 from matrixfsdp.runtime.pending import WorkKind
@@ -94,7 +95,27 @@ def _step_bound(model: nn.Module, opt: mf.MatrixOptimizer, rank: int, activation
     return static + max(moving + _tail_transient(model, state) + activations, 6 * largest_owned)
 
 
-def _measured_step(rank: int, world: int, *, reduce_limit: int | None = None) -> tuple[int, int, int]:
+class _PackedBuffers(TorchOwnerComm):
+    """The default collectives plus, while each is in flight, the buffers the packed
+    ``all_to_all_single`` forms held: a gather's own segment repeated N - 1 times (send) and
+    every peer's segment (receive); a reduction's N received copies of the own segment."""
+
+    def all_gather_into(self, parts, *, async_op=False):  # type: ignore[override]
+        pending = super().all_gather_into(parts, async_op=async_op)
+        own = sum(t.numel() for t in parts[self.rank])
+        others = sum(t.numel() for part in parts for t in part) - own
+        like = next(t for part in parts for t in part)
+        pending._keepalive += [like.new_empty((self.world_size - 1) * own), like.new_empty(others)]
+        return pending
+
+    def reduce_to_owners(self, flat, numels, *, async_op=False):  # type: ignore[override]
+        own, pending = super().reduce_to_owners(flat, numels, async_op=async_op)
+        pending._keepalive.append(flat.new_empty(self.world_size * numels[self.rank]))
+        return own, pending
+
+
+def _measured_step(rank: int, world: int, *, reduce_limit: int | None = None,
+                   packed: bool = False) -> tuple[int, int, int]:
     """(peak live bytes of one full step after warm-up, bound, most reduction buffers alive)."""
     kwargs = {"dim": 64, "hidden": 128, "layers": 8}
     torch.manual_seed(0)
@@ -103,6 +124,8 @@ def _measured_step(rank: int, world: int, *, reduce_limit: int | None = None) ->
     state = mf.get_state(model)
     if reduce_limit is not None:  # emulate the old runtime: every reduction in flight to the end
         state.queue.limits[WorkKind.REDUCE] = reduce_limit
+    if packed:  # emulate the old collectives' buffers (the groups share this one object)
+        state.comm.__class__ = _PackedBuffers
     alive: list[weakref.ref] = []
     most = [0]
     issue = state.comm.reduce_to_owners
@@ -140,6 +163,9 @@ def _reductions_bounded(rank: int, world: int) -> None:
         old_peak, old_bound, old_most = _measured_step(rank, world, reduce_limit=64)
         assert old_most == 8, old_most
         assert old_peak > old_bound, (old_peak, old_bound)
+    if world == 4:  # and so do the old collectives' packed send/receive buffers
+        old_peak, old_bound, _ = _measured_step(rank, world, packed=True)
+        assert old_bound == bound and old_peak > bound, (old_peak, bound)
 
 
 # -- no collective in flight across a mutation -------------------------------------------------

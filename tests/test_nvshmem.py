@@ -295,6 +295,35 @@ def test_owner_comm_runs_unchanged_on_threaded_pes() -> None:
     assert fallbacks[0].counter.by_op["all_gather_v"].calls == len(numel_sets)
 
 
+def test_gather_into_parts_on_threaded_pes() -> None:
+    """``OwnerComm.all_gather_into``'s default (the NVSHMEM comm uses it): each segment given as
+    its matrices; the owner's are packed and sent, every peer's land in the tensors named."""
+    world = 3
+    sizes = [[4, 3], [], [5]]  # rank 1 owns nothing in this group
+    layout = plan_heap([SegmentShape(tuple(sum(s) for s in sizes), 4)], world)
+    shared = ThreadedWorld(layout)
+    values = [[torch.randn(n) for n in owned] for owned in sizes]
+    got: dict[tuple[int, bool], list[list[torch.Tensor]]] = {}
+
+    def rank_fn(rank: int) -> None:
+        comm = NvshmemOwnerComm(shared.transport(rank), layout,
+                                fallback=_CountingFallback(rank, world))
+        for async_op in (True, False):
+            parts = [[v.clone() if r == rank else torch.zeros_like(v) for v in values[r]]
+                     for r in range(world)]
+            pending = comm.all_gather_into(parts, async_op=async_op)
+            pending.wait()
+            pending.wait()  # idempotent
+            got[(rank, async_op)] = parts
+        comm.close()
+
+    _run_threads(world, rank_fn)
+    for (rank, async_op), parts in got.items():
+        for r in range(world):
+            for want, have in zip(values[r], parts[r], strict=True):
+                assert torch.equal(have, want), (rank, async_op, r)
+
+
 # -- the capability probe ---------------------------------------------------------------------------
 def _facts(**overrides: object) -> LocalFacts:
     base = dict(rank=0, cuda_available=True, device_type="cuda", import_error=None,

@@ -13,6 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import matrixfsdp as mf
 from matrixfsdp.collectives import Phase
+from matrixfsdp.collectives.torch_backend import gather_form, reduce_form
 from matrixfsdp.planner import make_plan
 from matrixfsdp.runtime.selection import default_groups, param_specs, select_params
 
@@ -112,22 +113,33 @@ def _memory_and_pinning(rank: int, world: int) -> None:
 
 
 def _collective_counts(rank: int, world: int) -> None:
-    for reshard, collectives in ((True, "alltoall"), (False, "alltoall"), (True, "p2p")):
+    for reshard, collectives in ((True, "alltoall"), (False, "alltoall"), (True, "p2p"),
+                                 (True, "auto")):
         _, model = _pair()
         mf.fully_shard_matrix(model, reshard_after_forward=reshard, collectives=collectives)
         state = mf.get_state(model)
-        if collectives == "alltoall":
-            groups = len(state.groups)
-        else:  # one broadcast per owner segment of each group (and one reduce per owner)
-            groups = sum(sum(1 for n in g.gather_numels if n) for g in state.groups)
+        if collectives == "alltoall":  # one exchange per group to gather, one to reduce
+            gathers = reduces = len(state.groups)
+        elif collectives == "p2p":  # one broadcast per matrix, one reduce per owner segment
+            gathers = sum(len(g.params) for g in state.groups)
+            reduces = sum(sum(1 for n in g.gather_numels if n) for g in state.groups)
+        else:  # "auto" on gloo: one broadcast per matrix, one all-reduce per group
+            gathers, reduces = sum(len(g.params) for g in state.groups), len(state.groups)
         not_owned = sum(
             mp.numel * mp.dtype.itemsize for mp in state.params.values() if not mp.is_owner
         )
         counter = state.comm.counter
         counter.reset()
-        # "auto": one all-to-all while a group's owners cover about half the ranks, else p2p.
-        assert state.comm._use_p2p("auto", [1] + [0] * (world - 1)) == (world >= 4)
-        assert not state.comm._use_p2p("auto", [1] * world)
+        # "auto" on NCCL: the exchange while a group's owners cover about half the ranks, else
+        # broadcast; reduce in place per segment. On gloo: broadcast, one all-reduce.
+        one_owner = [1] + [0] * (world - 1)
+        assert state.comm._on_gloo(torch.zeros(1))
+        assert gather_form("auto", one_owner, world, gloo=False) == (
+            "broadcast" if world >= 4 else "alltoall")
+        assert gather_form("auto", [1] * world, world, gloo=False) == "alltoall"
+        assert gather_form("auto", [1] * world, world, gloo=True) == "broadcast"
+        assert reduce_form("auto", gloo=False) == "reduce"
+        assert reduce_form("auto", gloo=True) == "allreduce"
         loss = lm_loss(model, local_batch(global_batch(0), rank, world))
         fwd = counter.snapshot()[Phase.FORWARD.value]
         loss.backward()
@@ -135,10 +147,10 @@ def _collective_counts(rank: int, world: int) -> None:
         if world == 1:
             assert fwd["calls"] == bwd["calls"] == 0
             continue
-        assert fwd["calls"] == groups, fwd
+        assert fwd["calls"] == gathers, fwd
         assert fwd["bytes_received"] == not_owned, (fwd, not_owned)
-        gathers_in_backward = groups if reshard else 0
-        assert bwd["calls"] == gathers_in_backward + groups, (reshard, bwd)
+        gathers_in_backward = gathers if reshard else 0
+        assert bwd["calls"] == gathers_in_backward + reduces, (reshard, bwd)
         assert counter.snapshot()[Phase.OPTIMIZER.value]["calls"] == 0
 
 

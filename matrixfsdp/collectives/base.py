@@ -4,7 +4,10 @@
 Within one group, the matrices owned by rank ``r`` packed back to back (in plan order) form
 ``r``'s *segment*; ``numels[r]`` is its length in elements (0 when ``r`` owns nothing there).
 - *all-gather-v*: every rank contributes its own segment and receives every other rank's, with
-  no padding to the largest segment (the uneven all-gather FSDP2 cannot express).
+  no padding to the largest segment (the uneven all-gather FSDP2 cannot express). Given as
+  *parts* (``all_gather_into``: each segment as its matrices, the owner's read in place, every
+  other rank's written into the storage the caller names), a backend may move them with no
+  buffer at all; ``all_gather_v`` takes and returns packed segments.
 - *reduce-to-owners*: every rank holds a full-length gradient buffer laid out segment by segment;
   rank ``r`` ends up with the sum over ranks of segment ``r`` only. No other rank keeps a copy.
 Both are issued in the same order on every rank (the runtime guarantees it), may be async, and
@@ -131,6 +134,26 @@ class Pending:
         self._keepalive.clear()
 
 
+class _UnpackOnWait(Pending):
+    """A packed all-gather-v whose received segments are copied into their parts on ``wait()``."""
+
+    def __init__(self, pending: Pending, segments: Sequence[torch.Tensor],
+                 parts: Sequence[Sequence[torch.Tensor]], rank: int) -> None:
+        super().__init__()
+        self._pending, self._segments, self._parts, self._rank = pending, segments, parts, rank
+
+    def wait(self) -> None:
+        if self._pending is None:
+            return
+        self._pending.wait()
+        for r, (segment, part) in enumerate(zip(self._segments, self._parts, strict=True)):
+            if r == self._rank or not part:
+                continue
+            for t, piece in zip(part, torch.split(segment, [t.numel() for t in part]), strict=True):
+                t.copy_(piece)
+        self._pending, self._segments, self._parts = None, [], []
+
+
 class OwnerComm(ABC):
     """Owner-segment collectives over one data-parallel process group."""
 
@@ -146,6 +169,30 @@ class OwnerComm(ABC):
 
         The returned list holds one 1-D tensor per rank, valid after ``Pending.wait()``.
         """
+
+    def all_gather_into(
+        self, parts: Sequence[Sequence[torch.Tensor]], *, async_op: bool = False
+    ) -> Pending:
+        """All-gather-v by parts: ``parts[r]`` is rank ``r``'s segment as 1-D tensors in plan order;
+        this rank's are sent, every other rank's are written (valid after ``Pending.wait()``).
+
+        This default packs this rank's parts, calls ``all_gather_v`` and unpacks on ``wait()``;
+        a backend that can address the parts directly overrides it and holds no buffer.
+        """
+        mine = list(parts[self.rank])
+        numels = [sum(t.numel() for t in part) for part in parts]
+        if len(mine) == 1:
+            own = mine[0]
+        elif mine:
+            own = torch.cat(mine)
+        else:
+            like = next(t for part in parts for t in part)
+            own = like.new_empty(0)
+        segments, pending = self.all_gather_v(own, numels, async_op=async_op)
+        unpack = _UnpackOnWait(pending, segments, parts, self.rank)
+        if not async_op:
+            unpack.wait()
+        return unpack
 
     @abstractmethod
     def reduce_to_owners(

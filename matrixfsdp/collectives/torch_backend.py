@@ -11,27 +11,41 @@ from torch.profiler import record_function
 
 from .base import CommCounter, OwnerComm, Pending, ReplicateComm
 
-__all__ = ["TorchOwnerComm", "TorchReplicateComm", "uses_p2p"]
+__all__ = ["TorchOwnerComm", "TorchReplicateComm", "gather_form", "reduce_form"]
 
 GatherImpl = Literal["auto", "alltoall", "broadcast"]
-ReduceImpl = Literal["auto", "alltoall", "reduce"]
+ReduceImpl = Literal["auto", "alltoall", "reduce", "allreduce"]
 
 
 class TorchOwnerComm(OwnerComm):
     """Owner-segment collectives on a ``ProcessGroup`` (see [Note: owner segments]).
 
-    ``gather_impl``: ``"alltoall"`` issues one uneven ``all_to_all_single`` per group (each rank
-    sends its segment to every peer, no padding); ``"broadcast"`` issues one broadcast per
-    non-empty segment. ``reduce_impl``: ``"alltoall"`` sends each owner its segment in one uneven
-    all-to-all and sums locally; ``"reduce"`` issues one ``reduce(dst=owner)`` per non-empty
-    segment. All four work on gloo and NCCL.
+    No form holds a buffer it could avoid. Gathers read the owner's matrices where they live and
+    write each peer's straight into the storage it was given (``all_gather_into``):
+    ``gather_impl="alltoall"`` is one *exchange* per group (every owner sends each of its
+    matrices to every peer, every peer receives each into its storage: one
+    ``batch_isend_irecv``, the traffic of an uneven all-to-all without its packed send and
+    receive buffers); ``"broadcast"`` issues one broadcast per matrix from its owner.
+    Reductions work on the packed gradient buffer: ``reduce_impl="reduce"`` issues one
+    ``reduce(dst=owner)`` per non-empty segment and ``"allreduce"`` one ``all_reduce`` of the
+    whole buffer, both in place (nothing more held); ``"alltoall"`` exchanges (each rank sends
+    segment ``r`` to rank ``r``; the owner receives its ``N − 1`` peers' copies into as many
+    buffers and sums them into its segment on ``wait()``). Every form works on gloo and NCCL
+    (uneven sizes; empty segments are skipped).
 
     ``"auto"`` (the default for both) decides per call from the segment sizes, which come from
-    the plan and so agree on every rank: with ``k`` non-empty segments among ``N`` ranks, the
-    all-to-all makes each owner send its segment ``N − 1`` times, about ``(N − 1) / k`` times
-    the bytes of a pipelined broadcast (or reduce) per segment. One all-to-all wins while
-    ``k ≥ (N − 1) / 2`` (small worlds, or groups spread over most ranks); past that, the
-    broadcast/reduce form does (many ranks per group, e.g. 64 ranks and 7 matrices per block).
+    the plan and so agree on every rank, and from the backend that carries the tensors:
+    - gathers: on NCCL (or another backend), the exchange while a group's ``k`` non-empty
+      segments number at least ``(N − 1) / 2``, else broadcast: the exchange makes each owner
+      send its segment ``N − 1`` times, about ``(N − 1) / k`` times the bytes of a pipelined
+      broadcast per segment. On gloo always broadcast: gloo runs collectives on its own worker
+      threads but point-to-point sends on the caller's, so the exchange's socket writes would
+      land on the training thread (its broadcast is a binomial tree: no more bytes per owner).
+    - reductions: never the exchange (it holds ``N − 1`` received segments). On NCCL one
+      ``reduce`` per segment (NCCL pipelines each; per rank about the bytes of a
+      reduce-scatter). On gloo one ``all_reduce`` per group: gloo's reduce is a ring
+      reduce-scatter plus a gather, so ``k`` reduces move the bytes of one all-reduce in ``k``
+      calls of at least ``2N`` ring steps each.
     """
 
     def __init__(
@@ -47,9 +61,10 @@ class TorchOwnerComm(OwnerComm):
             raise ValueError(
                 f"gather_impl must be 'auto', 'alltoall' or 'broadcast', got {gather_impl!r}"
             )
-        if reduce_impl not in ("auto", "alltoall", "reduce"):
+        if reduce_impl not in ("auto", "alltoall", "reduce", "allreduce"):
             raise ValueError(
-                f"reduce_impl must be 'auto', 'alltoall' or 'reduce', got {reduce_impl!r}"
+                "reduce_impl must be 'auto', 'alltoall', 'reduce' or 'allreduce', got "
+                f"{reduce_impl!r}"
             )
         self.group = group
         self.rank = dist.get_rank(group)
@@ -58,13 +73,11 @@ class TorchOwnerComm(OwnerComm):
         self.reduce_impl = reduce_impl
         self.counter = counter if counter is not None else CommCounter()
         self.dim = dim  # the mesh dim this group spans, for the counter
+        self._backend = str(dist.get_backend(group)).lower()
         self._global_ranks = [
             dist.get_global_rank(group, r) if group is not None else r
             for r in range(self.world_size)
         ]
-
-    def _use_p2p(self, impl: str, numels: Sequence[int]) -> bool:
-        return uses_p2p(impl, numels, self.world_size)
 
     # -- all-gather-v -----------------------------------------------------------------------------
     def all_gather_v(
@@ -72,47 +85,52 @@ class TorchOwnerComm(OwnerComm):
     ) -> tuple[list[torch.Tensor], Pending]:
         if own.numel() != numels[self.rank]:
             raise ValueError(f"own segment has {own.numel()} elements, plan says {numels[self.rank]}")
-        if self.world_size == 1:
-            return [own], Pending()
-        if self._use_p2p(self.gather_impl, numels):
-            return self._gather_broadcast(own, numels, async_op)
-        return self._gather_alltoall(own, numels, async_op)
+        segments = [own if r == self.rank else own.new_empty(n) for r, n in enumerate(numels)]
+        pending = self.all_gather_into([[s] for s in segments], async_op=async_op)
+        return segments, pending
 
-    def _gather_alltoall(
-        self, own: torch.Tensor, numels: Sequence[int], async_op: bool
-    ) -> tuple[list[torch.Tensor], Pending]:
-        me, n = self.rank, self.world_size
-        in_splits = [0 if r == me else numels[me] for r in range(n)]
-        out_splits = [0 if r == me else numels[r] for r in range(n)]
-        send = own.repeat(n - 1) if numels[me] else own.new_empty(0)
-        recv = own.new_empty(sum(out_splits))
-        with record_function("matrixfsdp::all_gather_v"):
-            work = dist.all_to_all_single(
-                recv, send, out_splits, in_splits, group=self.group, async_op=async_op
-            )
-        self.counter.record("all_gather_v", _nbytes(send), _nbytes(recv), dim=self.dim)
-        segments = list(torch.split(recv, out_splits))
-        segments[me] = own
-        return segments, Pending([work] if async_op else [], keepalive=(send, recv))
+    def all_gather_into(
+        self, parts: Sequence[Sequence[torch.Tensor]], *, async_op: bool = False
+    ) -> Pending:
+        if len(parts) != self.world_size:
+            raise ValueError(f"{len(parts)} parts for a group of {self.world_size} ranks")
+        like = next((t for part in parts for t in part), None)
+        if self.world_size == 1 or like is None:
+            return Pending()
+        numels = [sum(t.numel() for t in part) for part in parts]
+        if gather_form(self.gather_impl, numels, self.world_size,
+                       gloo=self._on_gloo(like)) == "broadcast":
+            return self._gather_broadcast(parts, async_op)
+        return self._gather_exchange(parts, numels, async_op)
 
-    def _gather_broadcast(
-        self, own: torch.Tensor, numels: Sequence[int], async_op: bool
-    ) -> tuple[list[torch.Tensor], Pending]:
-        segments, works = [], []
+    def _gather_exchange(
+        self, parts: Sequence[Sequence[torch.Tensor]], numels: Sequence[int], async_op: bool
+    ) -> Pending:
+        me = self.rank
+        peers = [r for r in range(self.world_size) if r != me]
+        # Per pair and direction, sends and receives follow plan order on both sides.
+        sends = [(r, t) for r in peers for t in parts[me]]
+        recvs = [(r, t) for r in peers for t in parts[r]]
         with record_function("matrixfsdp::all_gather_v"):
-            for r, numel in enumerate(numels):
-                buf = own if r == self.rank else own.new_empty(numel)
-                segments.append(buf)
-                if numel == 0:
-                    continue
-                work = dist.broadcast(
-                    buf, src=self._global_ranks[r], group=self.group, async_op=async_op
-                )
-                works.append(work)
-                sent = _nbytes(buf) * (self.world_size - 1) if r == self.rank else 0
-                self.counter.record("all_gather_v", sent, 0 if r == self.rank else _nbytes(buf),
-                                    dim=self.dim)
-        return segments, Pending(works if async_op else [], keepalive=segments)
+            works = self._exchange(sends, recvs)
+        itemsize = _itemsize(parts)
+        self.counter.record("all_gather_v", numels[me] * itemsize * len(peers),
+                            (sum(numels) - numels[me]) * itemsize, dim=self.dim)
+        return _issued(works, async_op, keepalive=[t for part in parts for t in part])
+
+    def _gather_broadcast(self, parts: Sequence[Sequence[torch.Tensor]], async_op: bool) -> Pending:
+        works = []
+        with record_function("matrixfsdp::all_gather_v"):
+            for r, part in enumerate(parts):
+                for t in part:
+                    if t.numel() == 0:
+                        continue
+                    works.append(dist.broadcast(
+                        t, src=self._global_ranks[r], group=self.group, async_op=async_op))
+                    mine = r == self.rank
+                    self.counter.record("all_gather_v", _nbytes(t) * (self.world_size - 1) if mine
+                                        else 0, 0 if mine else _nbytes(t), dim=self.dim)
+        return _issued(works, async_op, keepalive=[t for part in parts for t in part])
 
     # -- reduce-to-owners -------------------------------------------------------------------------
     def reduce_to_owners(
@@ -120,50 +138,72 @@ class TorchOwnerComm(OwnerComm):
     ) -> tuple[torch.Tensor, Pending]:
         if flat.numel() != sum(numels):
             raise ValueError(f"buffer has {flat.numel()} elements, segments sum to {sum(numels)}")
-        me = self.rank
-        offset = sum(numels[:me])
-        own = flat[offset : offset + numels[me]]
+        segments = torch.split(flat, list(numels))
+        own = segments[self.rank]
         if self.world_size == 1:
             return own, Pending()
-        if self._use_p2p(self.reduce_impl, numels):
-            return self._reduce_p2p(flat, numels, async_op)
-        return self._reduce_alltoall(flat, own, numels, async_op)
+        form = reduce_form(self.reduce_impl, gloo=self._on_gloo(flat))
+        if form == "allreduce":
+            return own, self._reduce_all(flat, async_op)
+        if form == "reduce":
+            return own, self._reduce_p2p(flat, segments, async_op)
+        return self._reduce_exchange(flat, segments, async_op)
 
-    def _reduce_alltoall(
-        self, flat: torch.Tensor, own: torch.Tensor, numels: Sequence[int], async_op: bool
+    def _reduce_exchange(
+        self, flat: torch.Tensor, segments: Sequence[torch.Tensor], async_op: bool
     ) -> tuple[torch.Tensor, Pending]:
-        # The own segment travels to itself (a local copy of one segment) so the send buffer is
-        # ``flat`` as is: cutting it out would copy every other rank's segments instead.
-        n = self.world_size
-        out_splits = [numels[self.rank]] * n
-        recv = flat.new_empty(sum(out_splits))
+        me = self.rank
+        own = segments[me]
+        peers = [r for r in range(self.world_size) if r != me]
+        sends = [(r, segments[r]) for r in peers]
+        recvs = [(r, flat.new_empty(own.numel())) for r in peers] if own.numel() else []
         with record_function("matrixfsdp::reduce_to_owners"):
-            work = dist.all_to_all_single(
-                recv, flat, out_splits, list(numels), group=self.group, async_op=async_op
-            )
-        sent = _nbytes(flat) - _nbytes(own)
-        self.counter.record("reduce_to_owners", sent, _nbytes(recv) - _nbytes(own), dim=self.dim)
-        return _SumOnWait.result(own, recv, n, work if async_op else None, flat)
+            works = self._exchange(sends, recvs)
+        self.counter.record("reduce_to_owners", _nbytes(flat) - _nbytes(own),
+                            _nbytes(own) * len(peers), dim=self.dim)
+        pending = _SumOnWait(own, [buf for _, buf in recvs], works, keepalive=(flat,))
+        if not async_op:
+            pending.wait()
+        return own, pending
 
     def _reduce_p2p(
-        self, flat: torch.Tensor, numels: Sequence[int], async_op: bool
-    ) -> tuple[torch.Tensor, Pending]:
-        works, offset, own = [], 0, flat[:0]
+        self, flat: torch.Tensor, segments: Sequence[torch.Tensor], async_op: bool
+    ) -> Pending:
+        works = []
         with record_function("matrixfsdp::reduce_to_owners"):
-            for r, numel in enumerate(numels):
-                segment = flat[offset : offset + numel]
-                offset += numel
-                if r == self.rank:
-                    own = segment
-                if numel == 0:
+            for r, segment in enumerate(segments):
+                if segment.numel() == 0:
                     continue
-                work = dist.reduce(
-                    segment, dst=self._global_ranks[r], group=self.group, async_op=async_op
-                )
-                works.append(work)
+                works.append(dist.reduce(
+                    segment, dst=self._global_ranks[r], group=self.group, async_op=async_op))
                 received = _nbytes(segment) * (self.world_size - 1) if r == self.rank else 0
                 self.counter.record("reduce_to_owners", _nbytes(segment), received, dim=self.dim)
-        return own, Pending(works if async_op else [], keepalive=(flat,))
+        return _issued(works, async_op, keepalive=(flat,))
+
+    def _reduce_all(self, flat: torch.Tensor, async_op: bool) -> Pending:
+        with record_function("matrixfsdp::reduce_to_owners"):
+            work = dist.all_reduce(flat, group=self.group, async_op=async_op)
+        # The all-reduce convention of ``CommCounter``: the payload, sent and received.
+        self.counter.record("reduce_to_owners", _nbytes(flat), _nbytes(flat), dim=self.dim)
+        return _issued([work], async_op, keepalive=(flat,))
+
+    def _on_gloo(self, t: torch.Tensor) -> bool:
+        """Whether ``t``'s device is served by gloo in this group (``"cpu:gloo,cuda:nccl"``-style
+        backends map each device type to one)."""
+        backend = self._backend
+        if ":" in backend:
+            backend = dict(kv.split(":", 1) for kv in backend.split(",")).get(t.device.type, "")
+        return backend == "gloo"
+
+    # -- point-to-point ---------------------------------------------------------------------------
+    def _exchange(self, sends: Sequence[tuple[int, torch.Tensor]],
+                  recvs: Sequence[tuple[int, torch.Tensor]]) -> list[object]:
+        """Post every send and receive (group ranks, non-empty tensors) as one batch."""
+        ops = [dist.P2POp(dist.isend, t, self._global_ranks[r], group=self.group)
+               for r, t in sends if t.numel()]
+        ops += [dist.P2POp(dist.irecv, t, self._global_ranks[r], group=self.group)
+                for r, t in recvs if t.numel()]
+        return list(dist.batch_isend_irecv(ops)) if ops else []
 
     # -- scalars ----------------------------------------------------------------------------------
     def all_reduce_scalar(self, value: torch.Tensor, op: str = "sum") -> torch.Tensor:
@@ -196,38 +236,51 @@ class TorchReplicateComm(ReplicateComm):
         return Pending([work] if async_op else [], keepalive=(tensor,))
 
 
-def uses_p2p(impl: str, numels: Sequence[int], world_size: int) -> bool:
-    """Whether a group moves by one broadcast/reduce per segment instead of one all-to-all."""
+def gather_form(impl: str, numels: Sequence[int], world_size: int, *,
+                gloo: bool) -> Literal["alltoall", "broadcast"]:
+    """The gather form ``TorchOwnerComm`` uses for ``impl`` (``"auto"``: see its rule);
+    ``gloo``: the tensors travel on gloo (else NCCL, or another backend)."""
+    if impl in ("broadcast", "p2p"):
+        return "broadcast"
     if impl != "auto":
-        return impl in ("broadcast", "reduce", "p2p")
+        return "alltoall"
     owners = sum(1 for n in numels if n)
-    return owners < (world_size - 1) / 2
+    return "broadcast" if gloo or owners < (world_size - 1) / 2 else "alltoall"
+
+
+def reduce_form(impl: str, *, gloo: bool) -> Literal["alltoall", "reduce", "allreduce"]:
+    """The reduction form ``TorchOwnerComm`` uses for ``impl`` (``"auto"``: see its rule)."""
+    if impl == "p2p":
+        return "reduce"
+    if impl in ("alltoall", "reduce", "allreduce"):
+        return impl  # type: ignore[return-value]
+    return "allreduce" if gloo else "reduce"
+
+
+def _issued(works: Sequence[object], async_op: bool, keepalive: Sequence[object]) -> Pending:
+    pending = Pending([w for w in works if w is not None], keepalive=keepalive)  # sync: None
+    if not async_op:
+        pending.wait()
+    return pending
 
 
 class _SumOnWait(Pending):
-    """Pending all-to-all whose ``peers`` received segments are summed into ``own`` on wait()."""
+    """A reduction exchange: on ``wait()`` the peers' received copies are summed into ``own``."""
 
-    def __init__(
-        self, own: torch.Tensor, recv: torch.Tensor, peers: int, work: object, send: torch.Tensor
-    ) -> None:
-        super().__init__([work] if work is not None else [], keepalive=(send,))
-        self._own, self._recv, self._peers = own, recv, peers
+    def __init__(self, own: torch.Tensor, received: list[torch.Tensor], works: Sequence[object],
+                 keepalive: Sequence[object]) -> None:
+        super().__init__(works, keepalive=keepalive)
+        self._own, self._received = own, received
 
     def wait(self) -> None:
         super().wait()
-        if self._recv is not None and self._own.numel():
-            # Every rank's copy of our segment, ours included: sum straight into place.
-            torch.sum(self._recv.view(self._peers, -1), dim=0, out=self._own)
-        self._recv = None
+        for copy in self._received:  # rank order: the same sum on every run
+            self._own.add_(copy)
+        self._received = []
 
-    @classmethod
-    def result(
-        cls, own: torch.Tensor, recv: torch.Tensor, peers: int, work: object, send: torch.Tensor
-    ) -> tuple[torch.Tensor, Pending]:
-        pending = cls(own, recv, peers, work, send)
-        if work is None:
-            pending.wait()
-        return own, pending
+
+def _itemsize(parts: Sequence[Sequence[torch.Tensor]]) -> int:
+    return next((t.element_size() for part in parts for t in part), 0)
 
 
 def _nbytes(t: torch.Tensor) -> int:

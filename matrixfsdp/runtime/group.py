@@ -108,24 +108,11 @@ class MatrixGroup:
             self.wait_unshard()
 
     def _start_gather(self) -> tuple[Pending, Callable[[], None]]:
-        mine = self.owned_by[self.comm.rank]
-        if len(mine) == 1:
-            own = mine[0].own_values()
-        elif mine:
-            own = torch.cat([p.own_values() for p in mine])
-        else:
-            own = torch.empty(0, dtype=self._gather_dtype(), device=self._device())
-        segments, pending = self.comm.all_gather_v(own, self.gather_numels, async_op=True)
-        return pending, functools.partial(self._copy_out, segments)
-
-    def _copy_out(self, segments: list[torch.Tensor]) -> None:
-        """Write every peer's segment into its matrices."""
-        for rank, owned in enumerate(self.owned_by):
-            if rank == self.comm.rank or not owned:
-                continue
-            for p, flat in zip(owned, torch.split(segments[rank], [p.numel for p in owned]),
-                               strict=True):
-                p.write(flat)
+        # Each segment as its matrices: the owner's are sent from where they live, the peers'
+        # land straight in their (just allocated) storage; nothing is left to copy out.
+        parts = [[p.own_values() if rank == self.comm.rank else p.gather_target() for p in owned]
+                 for rank, owned in enumerate(self.owned_by)]
+        return self.comm.all_gather_into(parts, async_op=True), _nothing
 
     @property
     def gather_event(self) -> object:
@@ -145,7 +132,7 @@ class MatrixGroup:
         """Free non-owned storage (owners keep their pinned matrices).
 
         A gather still in flight is waited and its output dropped (the collective must complete
-        before its buffers can go, and compute waits for it before the storage is freed).
+        before the storage it writes into can go, and compute waits for it before that is freed).
         """
         if self.state is GroupState.GATHERING:
             assert self._gather is not None  # internal invariant of the state machine
@@ -261,9 +248,6 @@ class MatrixGroup:
     def _device(self) -> torch.device:
         return self.params[0].device
 
-    def _gather_dtype(self) -> torch.dtype:
-        return self.params[0].compute_dtype
-
     def _reduce_dtype(self) -> torch.dtype:
         return self.reduce_dtype or self.params[0].dtype
 
@@ -293,3 +277,7 @@ def land_grads(handoffs: Sequence[GradHandoff]) -> None:
                 else:
                     p.sharded.grad.add_(grad)
             i += 1
+
+
+def _nothing() -> None:
+    """The consume step of a gather that received straight into the matrices."""

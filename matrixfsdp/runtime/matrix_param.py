@@ -139,9 +139,10 @@ class MatrixParam:
             _free(self.unsharded)
         self.resident = self._pins
 
-    def write(self, flat: torch.Tensor) -> None:
-        """Copy gathered values into the (resident) unsharded storage."""
-        self.unsharded.data.copy_(flat.view(self.shape))
+    def gather_target(self) -> torch.Tensor:
+        """A flat view of the (resident) unsharded storage for a gather to write into; through
+        ``.data``, so writing does not bump the leaf's version counter (see the Note)."""
+        return self.unsharded.data.view(-1)
 
     def own_values(self) -> torch.Tensor:
         """The owner's resident values as a flat ``compute_dtype`` view (call after ``alloc``)."""
