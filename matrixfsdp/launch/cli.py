@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -48,8 +49,29 @@ def config_overrides(argv: list[str], prog: str = "matrixfsdp train") -> dict[st
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise SystemExit(f"--set expects KEY=VALUE, got {item!r}")
-        overrides[key] = yaml.safe_load(value)
+        overrides[key] = _parse_value(value, yaml)
     return overrides
+
+
+_EXPONENT_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+")
+
+
+def _parse_value(text: str, yaml: Any) -> Any:
+    """A ``--set`` value as YAML reads it, except that ``1e-12`` is a number, not a string.
+
+    YAML 1.1 (PyYAML) reads an exponent without a dot or without a sign (``1e-12``, ``3E5``,
+    ``1.0e5``) as a string, which would reach an optimizer's config as ``'1e-12'``. Items of a
+    list (``[0.9, 1e-3]``) are read the same way.
+    """
+    return _exponents_as_numbers(yaml.safe_load(text))
+
+
+def _exponents_as_numbers(value: Any) -> Any:
+    if isinstance(value, str) and _EXPONENT_NUMBER.fullmatch(value.strip()):
+        return float(value)
+    if isinstance(value, list):
+        return [_exponents_as_numbers(v) for v in value]
+    return value
 
 
 def _cmd_train(args: argparse.Namespace, rest: list[str]) -> int:

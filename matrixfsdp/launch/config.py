@@ -161,10 +161,22 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> TrainConfig
     if isinstance(data.get("defaults_applied"), (list, tuple)):
         data["defaults_applied"] = [k for k in data["defaults_applied"] if k not in user_set]
     try:
-        return TrainConfig.model_validate(data)
+        cfg = TrainConfig.model_validate(data)
     except ValidationError as exc:
         problems = "; ".join(
             f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']} (got {e.get('input')!r})"
             for e in exc.errors()
         )
         raise ConfigError(f"invalid training config: {problems}") from None
+    _check_optimizer_kwargs(cfg)
+    return cfg
+
+
+def _check_optimizer_kwargs(cfg: TrainConfig) -> None:
+    """The optimizer's own config check, here so that a bad value fails before any rank starts."""
+    from ..optim.registry import get_matrix_optimizer
+
+    try:
+        get_matrix_optimizer(cfg.optimizer).make_config(dict(cfg.optimizer_kwargs))
+    except ValueError as exc:
+        raise ConfigError(f"invalid training config: optimizer_kwargs: {exc}") from None
