@@ -8,6 +8,7 @@ from typing import Any
 
 __all__ = [
     "DEFAULT_LR",
+    "EXTRA_STRATEGIES",
     "MEMORY_BASELINES",
     "STRATEGIES",
     "STRATEGY_LABELS",
@@ -21,6 +22,8 @@ STRATEGIES: tuple[str, ...] = (
     "ddp", "fsdp2_recon", "gather_once", "zero1_owner", "matrixfsdp", "matrixfsdp_p2p",
     "fsdp2_adamw", "matrixfsdp_hsdp", "distmuon", "distmuon_hsdp",
 )
+# Variants run only when named (``--strategies ...``): forms the default "auto" does not pick.
+EXTRA_STRATEGIES: tuple[str, ...] = ("matrixfsdp_xreduce",)
 STRATEGY_LABELS: dict[str, str] = {
     "ddp": "DDP + matrix opt",
     "fsdp2_recon": "FSDP2 + reconstruction",
@@ -28,6 +31,7 @@ STRATEGY_LABELS: dict[str, str] = {
     "zero1_owner": "ZeRO-1 owner",
     "matrixfsdp": "matrixfsdp",
     "matrixfsdp_p2p": "matrixfsdp (broadcast/reduce)",
+    "matrixfsdp_xreduce": "matrixfsdp (broadcast/exchange reduce)",
     "fsdp2_adamw": "FSDP2 + AdamW (floor)",
     "fsdp2_sgdm": "FSDP2 + SGD-momentum (Muon's state size)",
     "matrixfsdp_hsdp": "matrixfsdp HSDP",
@@ -130,9 +134,10 @@ class BenchConfig:
                 f"BenchConfig.hsdp_replicate ({self.hsdp_replicate}) must divide world_size "
                 f"({self.world_size}) for the HSDP strategies {hsdp}"
             )
-        unknown = [s for s in self.strategies if s not in STRATEGIES]
+        unknown = [s for s in self.strategies if s not in (*STRATEGIES, *EXTRA_STRATEGIES)]
         if unknown:
-            raise ValueError(f"unknown strategies {unknown}; choose from {list(STRATEGIES)}")
+            raise ValueError(f"unknown strategies {unknown}; choose from "
+                             f"{[*STRATEGIES, *EXTRA_STRATEGIES]}")
 
     @property
     def local_batch(self) -> int:

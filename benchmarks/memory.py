@@ -24,8 +24,8 @@ from matrixfsdp.memory import matrix_memory
 from matrixfsdp.planner import make_plan
 
 from .analysis import PHASES, memory_figures
+from .config import EXTRA_STRATEGIES, STRATEGY_LABELS, BenchConfig, ModelConfig, OptimConfig
 from .config import STRATEGIES as ALL
-from .config import STRATEGY_LABELS, BenchConfig, ModelConfig, OptimConfig
 from .launch import run_world
 from .report import fmt_bytes
 from .worker import memory_worker
@@ -58,7 +58,8 @@ def measure(size: str, world: int, args: argparse.Namespace) -> dict[str, Any]:
     fields = {"seq_len": args.seq_len, **SIZES[size]}
     cfg = BenchConfig(model=ModelConfig(**fields), optim=OptimConfig.for_name("muon"),
                       world_size=world, global_batch=args.global_batch, warmup=args.warmup,
-                      steps=1, strategies=tuple(s for s in args.strategies if s in ALL))
+                      steps=1, strategies=tuple(s for s in args.strategies
+                                      if s in (*ALL, *EXTRA_STRATEGIES)))
     out: dict[str, Any] = {}
     for name in args.strategies:
         _log(f"{size}, world {world}: {name}")

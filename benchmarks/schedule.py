@@ -174,6 +174,8 @@ def _forms(impl: str, owners: int, n: int, gloo: bool) -> tuple[str, str]:
         return "broadcast", "reduce"
     if impl == "alltoall":
         return "alltoall", "alltoall"
+    if impl == "xreduce":
+        return "broadcast", "alltoall"
     if gloo:
         return "broadcast", "allreduce"
     return ("alltoall" if owners >= (n - 1) / 2 else "broadcast"), "reduce"
@@ -329,6 +331,8 @@ def schedule(setup: Setup, strategy: str) -> list[Op]:
         return _matrixfsdp(setup, "auto")
     if strategy == "matrixfsdp_p2p":
         return _matrixfsdp(setup, "p2p")
+    if strategy == "matrixfsdp_xreduce":
+        return _matrixfsdp(setup, "xreduce")
     raise ValueError(f"no schedule for strategy {strategy!r}")
 
 

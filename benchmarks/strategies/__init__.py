@@ -11,6 +11,7 @@ from .sharded import (
     FSDP2AdamWStrategy,
     FSDP2SGDMomentumStrategy,
     GatherOnceStrategy,
+    MatrixFSDPExchangeReduceStrategy,
     MatrixFSDPP2PStrategy,
     MatrixFSDPStrategy,
     ReconstructionStrategy,
@@ -32,7 +33,7 @@ STRATEGY_CLASSES: dict[str, type[Strategy]] = {
     for cls in (DDPStrategy, ReconstructionStrategy, GatherOnceStrategy, Zero1OwnerStrategy,
                 MatrixFSDPStrategy, MatrixFSDPP2PStrategy, FSDP2AdamWStrategy,
                 FSDP2SGDMomentumStrategy, MatrixFSDPHSDPStrategy, DistMuonStrategy,
-                DistMuonHSDPStrategy)
+                DistMuonHSDPStrategy, MatrixFSDPExchangeReduceStrategy)
 }
 # Strategies that implement one matrix optimizer only (the others run with every optimizer).
 ONLY_FOR: dict[str, str] = {"distmuon": "muon", "distmuon_hsdp": "muon"}
