@@ -22,6 +22,7 @@ max(in, out); the rest: n), the x of the α–β fit in ``costmodel``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import statistics
 import time
@@ -91,7 +92,7 @@ def _batch_log() -> Iterator[list[Collective]]:
     original = dist.batch_isend_irecv
 
     def wrapper(ops: list[Any]) -> Any:
-        log.append(_exchange_record("", ops))
+        _log_exchange(log, _exchange_record("", ops), ops)
         return original(ops)
 
     dist.batch_isend_irecv = wrapper
@@ -99,6 +100,23 @@ def _batch_log() -> Iterator[list[Collective]]:
         yield log
     finally:
         dist.batch_isend_irecv = original
+
+
+def _log_exchange(log: list[Any], record: Any, ops: list[Any]) -> None:
+    """Append ``record`` (a ``Collective`` or count_by_dim's ``(dim, Collective)``), except that a
+    batch of receives only (a later round of a reduction in rounds, ``TorchOwnerComm``) adds its
+    bytes to the last exchange logged: one reduction, one call, as in the schedule."""
+    if all(o.op is dist.irecv for o in ops):
+        for i in range(len(log) - 1, -1, -1):
+            entry = log[i]
+            last = entry[1] if isinstance(entry, tuple) else entry
+            if last.op == "all_to_all":
+                rec = record[1] if isinstance(record, tuple) else record
+                merged = dataclasses.replace(last, recv=last.recv + rec.recv,
+                                             size=max(last.size, last.recv + rec.recv))
+                log[i] = (entry[0], merged) if isinstance(entry, tuple) else merged
+                return
+    log.append(record)
 
 
 def _exchange_record(phase: str, ops: list[Any]) -> Collective:
@@ -221,7 +239,7 @@ def count_by_dim(dims: dict[tuple[int, ...], str],
     def wrap_batch(fn: Callable[..., Any]) -> Callable[..., Any]:
         def wrapper(ops: list[Any]) -> Any:
             ranks = tuple(dist.get_process_group_ranks(ops[0].group or dist.group.WORLD))
-            out.append((dims.get(ranks, "other"), _exchange_record(phase, ops)))
+            _log_exchange(out, (dims.get(ranks, "other"), _exchange_record(phase, ops)), ops)
             return fn(ops)
 
         return wrapper

@@ -168,7 +168,7 @@ def _owner_segments(setup: Setup, unit: str) -> dict[int, tuple[int, int]]:
 def _forms(impl: str, owners: int, n: int, gloo: bool) -> tuple[str, str]:
     """(gather, reduce) forms of one group, by ``TorchOwnerComm``'s rule (its docstring):
     "p2p" is broadcast per matrix / reduce per segment, "alltoall" the exchange; "auto" on gloo
-    broadcasts and all-reduces, on NCCL exchanges gathers while owners >= (N - 1) / 2 and
+    broadcasts and reduces in rounds, on NCCL exchanges gathers while owners >= (N - 1) / 2 and
     reduces per segment."""
     if impl == "p2p":
         return "broadcast", "reduce"
@@ -177,7 +177,7 @@ def _forms(impl: str, owners: int, n: int, gloo: bool) -> tuple[str, str]:
     if impl == "xreduce":
         return "broadcast", "alltoall"
     if gloo:
-        return "broadcast", "allreduce"
+        return "broadcast", "rounds"
     return ("alltoall" if owners >= (n - 1) / 2 else "broadcast"), "reduce"
 
 
@@ -206,7 +206,7 @@ def _matrixfsdp(setup: Setup, impl: str) -> list[Op]:
                     ops += [Op(phase, "broadcast", numel(p.shape) * d.gather,
                                root=int(p.owner_rank), group=g)  # type: ignore[arg-type]
                             for p in setup.params_of(unit, "matrix")]
-                elif reduce == "alltoall":
+                elif reduce in ("alltoall", "rounds"):  # the rounds: the exchange's traffic
                     pairs = {(r, o): (e + c) * d.grad for o, (e, c) in seg.items() for r in range(n)}
                     ops.append(_a2a(phase, n, pairs, group=g))
                 elif reduce == "allreduce":

@@ -264,8 +264,9 @@ class MatrixMemory:
       field stays for backends that pack segments.
     - ``grads``: the group's full-size gradients (compute dtype), which every rank computes.
     - ``reduce_buffers``: a reduction's packed buffer (every trainable matrix + a presence flag,
-      reduce dtype) and, exchange form (``collectives="alltoall"``), the owner's receive buffers
-      (N − 1 copies of its segment); the forms ``"auto"`` picks reduce in place.
+      reduce dtype) and the owner's receive buffers: exchange form (``collectives="alltoall"``)
+      N − 1 copies of its segment; ``"auto"`` on gloo (the rounds) one copy; ``"auto"`` on NCCL
+      and ``"p2p"`` reduce in place.
     - ``all_reduce_buffer``: under HSDP (``plan.mesh_shape`` with replicas), the copy of this
       rank's summed segment (values and flags) being all-reduced over its replicate group.
     ``owned`` is the bytes of the matrices this rank owns (each also gets a gradient of the same
@@ -288,14 +289,15 @@ class MatrixMemory:
                 + self.largest("all_reduce_buffer"))
 
 
-def matrix_memory(plan: Plan, rank: int, *, collectives: str = "auto",
+def matrix_memory(plan: Plan, rank: int, *, collectives: str = "auto", gloo: bool = False,
                   reduce_itemsize: int | None = None,
                   compute_itemsize: int | None = None) -> MatrixMemory:
     """Per-rank matrix bytes of ``plan`` (pure arithmetic; all matrices assumed trainable).
 
     ``collectives`` is ``fully_shard_matrix``'s argument (``"auto"`` decides per group as the
-    runtime does); the item sizes default to the matrices' own dtype. ``rank`` is the rank in
-    the plan's world: under HSDP, the shard coordinate.
+    runtime does, on gloo when ``gloo`` is true, else on NCCL); the item sizes default to the
+    matrices' own dtype. ``rank`` is the rank in the plan's world: under HSDP, the shard
+    coordinate.
     """
     world = plan.world_size
     members: dict[str, list[Any]] = {}
@@ -309,9 +311,10 @@ def matrix_memory(plan: Plan, rank: int, *, collectives: str = "auto",
         counts = [sum(1 for m in group if m.owner_rank == r) for r in range(world)]
         own, total = numels[rank], sum(numels)
         gathered = (total - own if size == master else total) * size
-        recv = 0
-        if world > 1 and collectives == "alltoall":  # "auto" never reduces by exchange
-            recv = (world - 1) * (own + counts[rank]) * red
+        copies = 0  # received copies of the owned segment held at once (TorchOwnerComm)
+        if world > 1 and own:
+            copies = {"alltoall": world - 1, "auto": 1 if gloo else 0}.get(collectives, 0)
+        recv = copies * (own + counts[rank]) * red
         flat = (total + sum(counts)) * red
         all_reduce = (own + counts[rank]) * red if plan.replicate_size > 1 else 0
         groups[name] = GroupBytes(gathered, 0, total * size, flat + recv, all_reduce)

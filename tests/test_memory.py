@@ -86,7 +86,7 @@ def _step_bound(model: nn.Module, opt: mf.MatrixOptimizer, rank: int, activation
     (``MatrixMemory.transient``) + FSDP2's tail transient + activations; the optimizer phase
     instead needs Newton-Schulz workspace (six times the largest owned matrix)."""
     state = mf.get_state(model)
-    mm = matrix_memory(state.plan, rank)
+    mm = matrix_memory(state.plan, rank, gloo=True)
     tail = sum(_local_bytes(p) for f, p in model.named_parameters() if f not in state.params)
     static = 3 * mm.owned + 4 * tail
     limits = DEFAULT_IN_FLIGHT

@@ -123,7 +123,7 @@ def _collective_counts(rank: int, world: int) -> None:
         elif collectives == "p2p":  # one broadcast per matrix, one reduce per owner segment
             gathers = sum(len(g.params) for g in state.groups)
             reduces = sum(sum(1 for n in g.gather_numels if n) for g in state.groups)
-        else:  # "auto" on gloo: one broadcast per matrix, one all-reduce per group
+        else:  # "auto" on gloo: one broadcast per matrix, one reduction in rounds per group
             gathers, reduces = sum(len(g.params) for g in state.groups), len(state.groups)
         not_owned = sum(
             mp.numel * mp.dtype.itemsize for mp in state.params.values() if not mp.is_owner
@@ -131,7 +131,7 @@ def _collective_counts(rank: int, world: int) -> None:
         counter = state.comm.counter
         counter.reset()
         # "auto" on NCCL: the exchange while a group's owners cover about half the ranks, else
-        # broadcast; reduce in place per segment. On gloo: broadcast, one all-reduce.
+        # broadcast; reduce in place per segment. On gloo: broadcast, reduce in rounds.
         one_owner = [1] + [0] * (world - 1)
         assert state.comm._on_gloo(torch.zeros(1))
         assert gather_form("auto", one_owner, world, gloo=False) == (
@@ -139,7 +139,7 @@ def _collective_counts(rank: int, world: int) -> None:
         assert gather_form("auto", [1] * world, world, gloo=False) == "alltoall"
         assert gather_form("auto", [1] * world, world, gloo=True) == "broadcast"
         assert reduce_form("auto", gloo=False) == "reduce"
-        assert reduce_form("auto", gloo=True) == "allreduce"
+        assert reduce_form("auto", gloo=True) == "rounds"
         loss = lm_loss(model, local_batch(global_batch(0), rank, world))
         fwd = counter.snapshot()[Phase.FORWARD.value]
         loss.backward()

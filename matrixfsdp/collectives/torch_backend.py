@@ -14,7 +14,7 @@ from .base import CommCounter, OwnerComm, Pending, ReplicateComm
 __all__ = ["TorchOwnerComm", "TorchReplicateComm", "gather_form", "reduce_form"]
 
 GatherImpl = Literal["auto", "alltoall", "broadcast"]
-ReduceImpl = Literal["auto", "alltoall", "reduce", "allreduce"]
+ReduceImpl = Literal["auto", "alltoall", "rounds", "reduce", "allreduce"]
 
 
 class TorchOwnerComm(OwnerComm):
@@ -30,8 +30,11 @@ class TorchOwnerComm(OwnerComm):
     ``reduce(dst=owner)`` per non-empty segment and ``"allreduce"`` one ``all_reduce`` of the
     whole buffer, both in place (nothing more held); ``"alltoall"`` exchanges (each rank sends
     segment ``r`` to rank ``r``; the owner receives its ``N − 1`` peers' copies into as many
-    buffers and sums them into its segment on ``wait()``). Every form works on gloo and NCCL
-    (uneven sizes; empty segments are skipped).
+    buffers and sums them into its segment on ``wait()``); ``"rounds"`` sends the same way but
+    receives the peers' copies one after another into one buffer (peer ``rank − 1`` first, then
+    ``rank − 2``, ...), summing each as it lands: the first receive is posted with the sends,
+    the others on ``wait()``. Every form works on gloo and NCCL (uneven sizes; empty segments
+    are skipped).
 
     ``"auto"`` (the default for both) decides per call from the segment sizes, which come from
     the plan and so agree on every rank, and from the backend that carries the tensors:
@@ -43,9 +46,9 @@ class TorchOwnerComm(OwnerComm):
       land on the training thread (its broadcast is a binomial tree: no more bytes per owner).
     - reductions: never the exchange (it holds ``N − 1`` received segments). On NCCL one
       ``reduce`` per segment (NCCL pipelines each; per rank about the bytes of a
-      reduce-scatter). On gloo one ``all_reduce`` per group: gloo's reduce is a ring
-      reduce-scatter plus a gather, so ``k`` reduces move the bytes of one all-reduce in ``k``
-      calls of at least ``2N`` ring steps each.
+      reduce-scatter). On gloo the rounds: the bytes of a reduce-scatter and one receive buffer
+      of the owner's segment, where gloo's ``reduce`` (a ring reduce-scatter plus a gather per
+      segment) and an in-place ``all_reduce`` (twice the bytes) both take longer.
     """
 
     def __init__(
@@ -61,9 +64,9 @@ class TorchOwnerComm(OwnerComm):
             raise ValueError(
                 f"gather_impl must be 'auto', 'alltoall' or 'broadcast', got {gather_impl!r}"
             )
-        if reduce_impl not in ("auto", "alltoall", "reduce", "allreduce"):
+        if reduce_impl not in ("auto", "alltoall", "rounds", "reduce", "allreduce"):
             raise ValueError(
-                "reduce_impl must be 'auto', 'alltoall', 'reduce' or 'allreduce', got "
+                "reduce_impl must be 'auto', 'alltoall', 'rounds', 'reduce' or 'allreduce', got "
                 f"{reduce_impl!r}"
             )
         self.group = group
@@ -147,6 +150,8 @@ class TorchOwnerComm(OwnerComm):
             return own, self._reduce_all(flat, async_op)
         if form == "reduce":
             return own, self._reduce_p2p(flat, segments, async_op)
+        if form == "rounds":
+            return own, self._reduce_rounds(flat, segments, async_op)
         return self._reduce_exchange(flat, segments, async_op)
 
     def _reduce_exchange(
@@ -165,6 +170,25 @@ class TorchOwnerComm(OwnerComm):
         if not async_op:
             pending.wait()
         return own, pending
+
+    def _reduce_rounds(
+        self, flat: torch.Tensor, segments: Sequence[torch.Tensor], async_op: bool
+    ) -> Pending:
+        me, n = self.rank, self.world_size
+        own = segments[me]
+        # Peer me + k receives its segment in round k; this rank hears from me - k in round k,
+        # so every round's send was posted before its receive is (no rank waits on a later one).
+        sends = [((me + k) % n, segments[(me + k) % n]) for k in range(1, n)]
+        sources = [(me - k) % n for k in range(1, n)] if own.numel() else []
+        buf = flat.new_empty(own.numel()) if sources else None
+        with record_function("matrixfsdp::reduce_to_owners"):
+            works = self._exchange(sends, [(sources[0], buf)] if sources else [])
+        self.counter.record("reduce_to_owners", _nbytes(flat) - _nbytes(own),
+                            _nbytes(own) * len(sources), dim=self.dim)
+        pending = _RoundsOnWait(self, own, buf, sources, works, keepalive=(flat,))
+        if not async_op:
+            pending.wait()
+        return pending
 
     def _reduce_p2p(
         self, flat: torch.Tensor, segments: Sequence[torch.Tensor], async_op: bool
@@ -248,13 +272,13 @@ def gather_form(impl: str, numels: Sequence[int], world_size: int, *,
     return "broadcast" if gloo or owners < (world_size - 1) / 2 else "alltoall"
 
 
-def reduce_form(impl: str, *, gloo: bool) -> Literal["alltoall", "reduce", "allreduce"]:
+def reduce_form(impl: str, *, gloo: bool) -> Literal["alltoall", "rounds", "reduce", "allreduce"]:
     """The reduction form ``TorchOwnerComm`` uses for ``impl`` (``"auto"``: see its rule)."""
     if impl == "p2p":
         return "reduce"
-    if impl in ("alltoall", "reduce", "allreduce"):
+    if impl in ("alltoall", "rounds", "reduce", "allreduce"):
         return impl  # type: ignore[return-value]
-    return "allreduce" if gloo else "reduce"
+    return "rounds" if gloo else "reduce"
 
 
 def _issued(works: Sequence[object], async_op: bool, keepalive: Sequence[object]) -> Pending:
@@ -277,6 +301,33 @@ class _SumOnWait(Pending):
         for copy in self._received:  # rank order: the same sum on every run
             self._own.add_(copy)
         self._received = []
+
+
+class _RoundsOnWait(Pending):
+    """A reduction in rounds: the sends and the first receive are in flight; ``wait()`` sums
+    each received copy into ``own`` and posts the next receive into the same buffer."""
+
+    def __init__(self, comm: TorchOwnerComm, own: torch.Tensor, buf: torch.Tensor | None,
+                 sources: list[int], works: list[object], keepalive: Sequence[object]) -> None:
+        super().__init__(keepalive=keepalive)
+        self._comm, self._own, self._buf, self._sources = comm, own, buf, sources
+        self._works = works  # the sends, then the first receive (when this rank receives)
+
+    def wait(self) -> None:
+        if self._comm is None:
+            return
+        sends = self._works[:-1] if self._sources else self._works
+        receive = self._works[-1] if self._sources else None
+        for i, _ in enumerate(self._sources):
+            if i:
+                with record_function("matrixfsdp::reduce_to_owners"):
+                    (receive,) = self._comm._exchange([], [(self._sources[i], self._buf)])
+            receive.wait()  # type: ignore[union-attr]
+            self._own.add_(self._buf)  # the same order on every run
+        for work in sends:
+            work.wait()  # type: ignore[attr-defined]
+        self._comm, self._buf, self._works, self._sources = None, None, [], []
+        self._keepalive.clear()
 
 
 def _itemsize(parts: Sequence[Sequence[torch.Tensor]]) -> int:
