@@ -96,10 +96,11 @@ def fully_shard_matrix(
             or a callable ``(specs, world_size) -> Plan``; ``None`` balances resident bytes.
         collectives: how owner segments move: one exchange of point-to-point sends per group,
             the traffic of an uneven all-to-all (``"alltoall"``), one broadcast per matrix and
-            one reduce per owner segment (``"p2p"``), or ``"auto"``: the forms that hold no
-            buffer and run fastest on the backend: on NCCL, gathers exchange while a group's
+            one reduce per owner segment (``"p2p"``), or ``"auto"``: the forms that hold the
+            fewest buffers and run fastest on the backend: on NCCL, gathers exchange while a group's
             owners cover about half the ranks or more, else broadcast, and gradients reduce
-            per segment; on gloo, broadcasts and one all-reduce per group (see
+            per segment in place; on gloo, broadcasts, and reductions in rounds (each owner
+            receives its peers' copies one after another into one buffer; see
             ``TorchOwnerComm``). ``"nvshmem"``: one-sided put-with-signal transfers through
             nvshmem4py (``pip install 'matrixfsdp[nvshmem]'``; CUDA, ranks on one host); where
             it cannot run, one warning names the reason and the ``"auto"`` path is used

@@ -259,8 +259,8 @@ class MatrixFSDPP2PStrategy(MatrixFSDPStrategy):
 class MatrixFSDPExchangeReduceStrategy(MatrixFSDPStrategy):
     """matrixfsdp with one broadcast per matrix to gather (as ``"auto"`` on gloo) and the
     exchange reduction (``reduce_impl="alltoall"``): each owner receives its segment from its
-    N - 1 peers into as many buffers and sums them. Faster than the in-place all-reduce on
-    gloo, at N - 1 receive buffers of the owner's segment per reduction in flight."""
+    N - 1 peers into as many buffers at once and sums them, where the default (``"auto"``'s
+    rounds on gloo) receives them one after another into one buffer."""
 
     name = "matrixfsdp_xreduce"
 
