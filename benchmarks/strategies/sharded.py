@@ -242,30 +242,34 @@ class MatrixFSDPStrategy(Strategy):
                 if isinstance(v, torch.Tensor)]
 
 
-class MatrixFSDPP2PStrategy(MatrixFSDPStrategy):
+class _MatrixFSDPFormsStrategy(MatrixFSDPStrategy):
+    """matrixfsdp with its owner collectives forced to ``gather_impl`` / ``reduce_impl``
+    (``TorchOwnerComm``'s forms) instead of the ones ``"auto"`` picks."""
+
+    gather_impl: str
+    reduce_impl: str
+
+    def __init__(self, model: nn.Module, ctx: StrategyContext) -> None:
+        super().__init__(model, ctx)
+        comm = self.runtime.comm
+        comm.gather_impl = self.gather_impl  # type: ignore[attr-defined]
+        comm.reduce_impl = self.reduce_impl  # type: ignore[attr-defined]
+
+
+class MatrixFSDPP2PStrategy(_MatrixFSDPFormsStrategy):
     """matrixfsdp forced to its p2p collectives: one ``broadcast`` per owner segment to gather and
     one ``reduce(dst=owner)`` per segment for gradients (what ``fully_shard_matrix(...,
     collectives="p2p")`` selects; the default ``"auto"`` picks per group)."""
 
     name = "matrixfsdp_p2p"
-
-    def __init__(self, model: nn.Module, ctx: StrategyContext) -> None:
-        super().__init__(model, ctx)
-        comm = self.runtime.comm
-        comm.gather_impl = "broadcast"  # type: ignore[attr-defined]
-        comm.reduce_impl = "reduce"  # type: ignore[attr-defined]
+    gather_impl, reduce_impl = "broadcast", "reduce"
 
 
-class MatrixFSDPExchangeReduceStrategy(MatrixFSDPStrategy):
+class MatrixFSDPExchangeReduceStrategy(_MatrixFSDPFormsStrategy):
     """matrixfsdp with one broadcast per matrix to gather (as ``"auto"`` on gloo) and the
     exchange reduction (``reduce_impl="alltoall"``): each owner receives its segment from its
     N - 1 peers into as many buffers at once and sums them, where the default (``"auto"``'s
     rounds on gloo) receives them one after another into one buffer."""
 
     name = "matrixfsdp_xreduce"
-
-    def __init__(self, model: nn.Module, ctx: StrategyContext) -> None:
-        super().__init__(model, ctx)
-        comm = self.runtime.comm
-        comm.gather_impl = "broadcast"  # type: ignore[attr-defined]
-        comm.reduce_impl = "alltoall"  # type: ignore[attr-defined]
+    gather_impl, reduce_impl = "broadcast", "alltoall"
