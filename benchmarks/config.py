@@ -23,7 +23,7 @@ STRATEGIES: tuple[str, ...] = (
     "fsdp2_adamw", "matrixfsdp_hsdp", "distmuon", "distmuon_hsdp",
 )
 # Variants run only when named (``--strategies ...``): forms the default "auto" does not pick.
-EXTRA_STRATEGIES: tuple[str, ...] = ("matrixfsdp_xreduce",)
+EXTRA_STRATEGIES: tuple[str, ...] = ("matrixfsdp_xreduce", "matrixfsdp_noflags_hsdp")
 STRATEGY_LABELS: dict[str, str] = {
     "ddp": "DDP + matrix opt",
     "fsdp2_recon": "FSDP2 + reconstruction",
@@ -35,6 +35,7 @@ STRATEGY_LABELS: dict[str, str] = {
     "fsdp2_adamw": "FSDP2 + AdamW (floor)",
     "fsdp2_sgdm": "FSDP2 + SGD-momentum (Muon's state size)",
     "matrixfsdp_hsdp": "matrixfsdp HSDP",
+    "matrixfsdp_noflags_hsdp": "matrixfsdp HSDP, replicate_presence_flags=False",
     "distmuon": "FSDP2 + owner all-to-all Muon",
     "distmuon_hsdp": "FSDP2 HSDP + owner all-to-all Muon",
     "fsdp2_recon_hsdp": "FSDP2 HSDP + reconstruction",

@@ -225,8 +225,8 @@ class LlamaShape:
 # Strategies ``project`` handles on a flat mesh, and the models of the HSDP projection.
 PROJECTED = ("ddp", "fsdp2_recon", "gather_once", "zero1_owner", "matrixfsdp", "matrixfsdp_p2p",
              "fsdp2_adamw", "distmuon")
-HSDP_STRATEGIES = ("matrixfsdp", "matrixfsdp_hsdp", "fsdp2_recon", "fsdp2_recon_hsdp",
-                   "distmuon", "distmuon_hsdp", "fsdp2_adamw")
+HSDP_STRATEGIES = ("matrixfsdp", "matrixfsdp_hsdp", "matrixfsdp_noflags_hsdp", "fsdp2_recon",
+                   "fsdp2_recon_hsdp", "distmuon", "distmuon_hsdp", "fsdp2_adamw")
 HSDP_MODELS = {"llama3-8b": LlamaShape.llama3_8b(), "llama3-70b": LlamaShape.llama3_70b()}
 
 

@@ -171,7 +171,8 @@ def _projection_table(proj: dict[str, Any]) -> list[str]:
     return lines
 
 
-HSDP_MEASURED = ("matrixfsdp", "matrixfsdp_hsdp", "distmuon", "distmuon_hsdp", "fsdp2_adamw")
+HSDP_MEASURED = ("matrixfsdp", "matrixfsdp_hsdp", "matrixfsdp_noflags_hsdp", "distmuon",
+                 "distmuon_hsdp", "fsdp2_adamw")
 
 
 def _dim_cell(s: dict[str, Any], phases: tuple[str, ...], dim: str) -> str:
@@ -245,11 +246,16 @@ def _hsdp_projection_table(projections: dict[str, Any]) -> list[str]:
               "excluded.", ""]
     for proj in projections.values():
         st = proj["strategies"]
-        if "matrixfsdp_hsdp" in st and "fsdp2_recon_hsdp" in st:
-            a, b = st["matrixfsdp_hsdp"]["inter_node_bytes"], st["fsdp2_recon_hsdp"]["inter_node_bytes"]
-            lines.append(f"{proj['model']['name']}: owner-HSDP inter-node bytes ÷ FSDP2-HSDP's = "
-                         f"{a / b:.9f} ({a - b:+d} B: the presence flags, 4 B per owned matrix, "
-                         "all-reduced with the gradients).")
+        if "fsdp2_recon_hsdp" not in st:
+            continue
+        base = st["fsdp2_recon_hsdp"]["inter_node_bytes"]
+        for name, why in (("matrixfsdp_hsdp", "the presence flags, 4 B per owned matrix, "
+                                              "all-reduced with the gradients"),
+                          ("matrixfsdp_noflags_hsdp", "gradients only")):
+            if name in st:
+                a = st[name]["inter_node_bytes"]
+                lines.append(f"{proj['model']['name']}: {_label(name)} inter-node bytes ÷ "
+                             f"FSDP2-HSDP's = {a / base:.9f} ({a - base:+d} B: {why}).")
     return lines
 
 

@@ -23,7 +23,14 @@ from typing import Any
 import torch
 
 from .analysis import aggregate_world
-from .config import MEMORY_BASELINES, STRATEGIES, BenchConfig, ModelConfig, OptimConfig
+from .config import (
+    EXTRA_STRATEGIES,
+    MEMORY_BASELINES,
+    STRATEGIES,
+    BenchConfig,
+    ModelConfig,
+    OptimConfig,
+)
 from .costmodel import HSDP_MODELS, PROJECTED, project, project_hsdp
 from .launch import run_world
 from .model import build_gpt
@@ -41,7 +48,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--optimizers", nargs="+", default=["muon", "okls"])
     p.add_argument("--worlds", nargs="+", type=int, default=[2, 4])
-    p.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
+    p.add_argument("--strategies", nargs="+", default=list(STRATEGIES),
+                   choices=(*STRATEGIES, *EXTRA_STRATEGIES))
     p.add_argument("--steps", type=int, default=5, help="measured steps (after warm-up)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--global-batch", type=int, default=8, help="sequences per step, all ranks")

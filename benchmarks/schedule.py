@@ -181,12 +181,12 @@ def _forms(impl: str, owners: int, n: int, gloo: bool) -> tuple[str, str]:
     return ("alltoall" if owners >= (n - 1) / 2 else "broadcast"), "reduce"
 
 
-def _matrixfsdp(setup: Setup, impl: str) -> list[Op]:
+def _matrixfsdp(setup: Setup, impl: str, replicate_flags: bool = True) -> list[Op]:
     """``impl``: "alltoall" (one exchange of point-to-point sends per group, the traffic of an
     uneven all-to-all), "p2p" (one broadcast per matrix, one reduce per owner segment), or
     "auto" (the library default, ``_forms``). Under HSDP inside the shard group, and each
     owner's summed segment is then all-reduced over its replicate group (one call per group and
-    owner, values and presence flags)."""
+    owner: values and presence flags, or the values only with ``replicate_flags=False``)."""
     n, d = setup.shard, setup.dtypes
     g = "shard" if setup.replicate > 1 else "world"
     ops = _fsdp(setup, "tail")
@@ -216,8 +216,8 @@ def _matrixfsdp(setup: Setup, impl: str) -> list[Op]:
                     ops += [Op(phase, "reduce", (e + c) * d.grad, root=o, group=g)
                             for o, (e, c) in seg.items()]
             if setup.replicate > 1 and phase == "backward":
-                ops += [Op(phase, "all_reduce", (e + c) * d.grad, group="replicate", member=o)
-                        for o, (e, c) in sorted(seg.items())]
+                ops += [Op(phase, "all_reduce", (e + c * replicate_flags) * d.grad,
+                           group="replicate", member=o) for o, (e, c) in sorted(seg.items())]
     return ops
 
 
@@ -329,6 +329,8 @@ def schedule(setup: Setup, strategy: str) -> list[Op]:
         return _zero1(setup)
     if strategy == "matrixfsdp":
         return _matrixfsdp(setup, "auto")
+    if strategy == "matrixfsdp_noflags":  # replicate_presence_flags=False
+        return _matrixfsdp(setup, "auto", replicate_flags=False)
     if strategy == "matrixfsdp_p2p":
         return _matrixfsdp(setup, "p2p")
     if strategy == "matrixfsdp_xreduce":

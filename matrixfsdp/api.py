@@ -64,6 +64,7 @@ def fully_shard_matrix(
     mp_policy: MixedPrecisionPolicy | None = None,
     planner: object = None,
     collectives: Literal["auto", "alltoall", "p2p", "nvshmem"] = "auto",
+    replicate_presence_flags: bool = True,
 ) -> nn.Module:
     """Shard ``model`` owner-style: each selected matrix whole on one rank, the tail in FSDP2.
 
@@ -105,6 +106,15 @@ def fully_shard_matrix(
             nvshmem4py (``pip install 'matrixfsdp[nvshmem]'``; CUDA, ranks on one host); where
             it cannot run, one warning names the reason and the ``"auto"`` path is used
             (``"auto"`` never picks NVSHMEM by itself).
+        replicate_presence_flags: HSDP only (ignored on a 1-D mesh). ``True``: each owner's
+            all-reduce over the replicas carries one 4-byte presence flag per matrix with the
+            gradients, so a matrix used on some ranks, some replicas or none gets exactly the
+            single-device ``.grad`` (``None`` where nothing used it). ``False``: only the
+            gradients cross replicas, the bytes of FSDP2's HSDP all-reduce; every gradient is
+            still exact, but a matrix that no rank of a replica used and whose summed gradient
+            is exactly zero raises ``ValueError`` on its owner in that replica (absent and zero
+            cannot be told apart there). For models whose matrices all take part in every loss
+            (see [Note: presence flags] in ``runtime/group.py``).
 
     Returns the same module, changed in place.
     """
@@ -113,6 +123,9 @@ def fully_shard_matrix(
         raise ValueError(
             f"collectives must be 'auto', 'alltoall', 'p2p' or 'nvshmem', got {collectives!r}"
         )
+    if not isinstance(replicate_presence_flags, bool):
+        raise ValueError(f"replicate_presence_flags must be True or False, got "
+                         f"{replicate_presence_flags!r}")
     dp = resolve_mesh(_default_mesh(model) if mesh is None else mesh)
     group_modules = _resolve_groups(model, groups)
     device_type = "meta" if _all_meta(model) else dp.mesh.device_type
@@ -132,7 +145,8 @@ def fully_shard_matrix(
     replicate = (TorchReplicateComm(dp.replicate_group, counter=comm.counter)
                  if dp.replicate_group is not None and dp.replicate_size > 1 else None)
     _check_plan_agrees(plan, dp)
-    matrix_groups = _build_groups(model, group_modules, sites, plan, comm, replicate, mp_policy)
+    matrix_groups = _build_groups(model, group_modules, sites, plan, comm, replicate, mp_policy,
+                                  replicate_presence_flags=replicate_presence_flags)
     if collectives == "nvshmem":
         comm = _nvshmem_comm(comm, matrix_groups, dp.mesh)
     ignored = {t for g in matrix_groups for p in g.params for t in (p.sharded, p.unsharded)}
@@ -424,6 +438,8 @@ def _build_groups(
     comm: TorchOwnerComm,
     replicate: ReplicateComm | None,
     mp_policy: MixedPrecisionPolicy | None,
+    *,
+    replicate_presence_flags: bool = True,
 ) -> list[MatrixGroup]:
     module_of_group = {_fqn_of(model, m): m for m in group_modules}
     compute_dtype = mp_policy.param_dtype if mp_policy is not None else None
@@ -449,7 +465,8 @@ def _build_groups(
                 f"({[p.fqn for p in params]}); cast the model to one dtype before wrapping"
             )
         groups.append(MatrixGroup(name, module_of_group[name], params, comm,
-                                  reduce_dtype=reduce_dtype, replicate=replicate))
+                                  reduce_dtype=reduce_dtype, replicate=replicate,
+                                  replicate_presence_flags=replicate_presence_flags))
     return groups
 
 

@@ -268,7 +268,9 @@ class MatrixMemory:
       N − 1 copies of its segment; ``"auto"`` on gloo (the rounds) one copy; ``"auto"`` on NCCL
       and ``"p2p"`` reduce in place.
     - ``all_reduce_buffer``: under HSDP (``plan.mesh_shape`` with replicas), the copy of this
-      rank's summed segment (values and flags) being all-reduced over its replicate group.
+      rank's summed segment (values and flags; with ``replicate_presence_flags=False`` only
+      the values cross replicas, from the same buffer) being all-reduced over its replicate
+      group.
     ``owned`` is the bytes of the matrices this rank owns (each also gets a gradient of the same
     size and the optimizer's state).
     """

@@ -88,9 +88,11 @@ def test_projection_shape(tiny: tuple[dict, Path]) -> None:
 
 def test_hsdp_projection_targets() -> None:
     """Llama-3-8B on 8x8: shard groups of 8 balance perfectly (flat 64: 1.077); owner-HSDP
-    crosses nodes with FSDP2-HSDP's bytes plus the 4-byte presence flags of its owned matrices."""
+    crosses nodes with FSDP2-HSDP's bytes plus the 4-byte presence flags of its owned matrices,
+    and with exactly FSDP2-HSDP's bytes without them."""
     proj = project_hsdp("muon", HSDP_MODELS["llama3-8b"],
-                        strategies=["matrixfsdp", "matrixfsdp_hsdp", "fsdp2_recon_hsdp"])
+                        strategies=["matrixfsdp", "matrixfsdp_hsdp", "matrixfsdp_noflags_hsdp",
+                                    "fsdp2_recon_hsdp"])
     st = proj["strategies"]
     assert st["matrixfsdp_hsdp"]["plan_imbalance_bytes"] == pytest.approx(1.0, abs=1e-12)
     assert st["matrixfsdp"]["plan_imbalance_bytes"] == pytest.approx(1.0769, abs=1e-4)
@@ -98,6 +100,10 @@ def test_hsdp_projection_targets() -> None:
     flags = 2 * 7 * owned * 4 // 8
     assert st["matrixfsdp_hsdp"]["inter_node_bytes"] - st["fsdp2_recon_hsdp"]["inter_node_bytes"] \
         == flags
+    assert st["matrixfsdp_noflags_hsdp"]["inter_node_bytes"] \
+        == st["fsdp2_recon_hsdp"]["inter_node_bytes"]
+    assert st["matrixfsdp_noflags_hsdp"]["intra_node_bytes"] \
+        == st["matrixfsdp_hsdp"]["intra_node_bytes"]
     assert st["matrixfsdp"]["inter_node_bytes"] > 7 * st["matrixfsdp_hsdp"]["inter_node_bytes"]
     assert st["matrixfsdp_hsdp"]["calls"]["optimizer"] == 0
 

@@ -118,12 +118,86 @@ def _grads_unused_frozen(rank: int, world: int, shape: tuple[int, int]) -> None:
             assert mp.sharded.grad is None and mp.unsharded.untyped_storage().nbytes() == 0
 
 
+def _use_every_branch(*models: nn.Module) -> None:
+    for m in models:
+        for layer in m.layers:
+            layer.use_unused = True
+
+
+def _owned_grads_across_replicas_equal(model: nn.Module) -> None:
+    """Every owner's gradient is bitwise the one its peers in the other replicas hold."""
+    state = mf.get_state(model)
+    group, replicas = state.dp_mesh.replicate_group, state.mesh_shape[0]
+    for mp in state.params.values():
+        if not mp.is_owner or mp.sharded.grad is None:
+            continue
+        local = mp.sharded.grad.detach().reshape(-1).clone()
+        gathered = [torch.empty_like(local) for _ in range(replicas)]
+        dist.all_gather(gathered, local, group=group)  # owners of one matrix: one per replica
+        assert all(torch.equal(g, gathered[0]) for g in gathered), f"{mp.fqn} grad differs"
+
+
+def _no_presence_flags(rank: int, world: int, shape: tuple[int, int]) -> None:
+    """``replicate_presence_flags=False``: only values cross replicas. A branch used by one
+    rank of replica 0 only (its owner in replica 1 saw no gradient in its replica) gets the
+    exact global average, the same in both replicas; a branch used nowhere raises on its owners
+    (naming it, its shape and the fix) after every other gradient landed, and the next step is
+    exact again."""
+    ref, model = _pair()
+    _wrap(model, shape, replicate_presence_flags=False)
+    state = mf.get_state(model)
+    tokens = global_batch(0)
+    for m in (ref, model):
+        m.layers[0].use_unused = True
+        m.layers[2].use_unused = True
+    _reference_loss(ref, tokens, world, unused_on=(1,)).backward()
+    model.layers[1].use_unused = rank == 1  # replica 0 only (in 2x2 and 4x1)
+    lm_loss(model, local_batch(tokens, rank, world)).backward()
+    grads = full_values(model, "grad")
+    assert grads["layers.1.unused.weight"] is not None
+    assert_close_dicts(grads, reference_values(ref, "grad"), GRAD_RTOL, f"no flags {shape}")
+    _owned_grads_across_replicas_equal(model)
+
+    ref.zero_grad(set_to_none=True)
+    model.zero_grad(set_to_none=True)
+    for m in (ref, model):
+        m.layers[1].use_unused = False  # layers.1.unused: no gradient on any rank
+    owner = state.params["layers.1.unused.weight"].is_owner
+    try:
+        lm_loss(model, local_batch(tokens, rank, world)).backward()
+    except ValueError as exc:
+        assert owner, f"rank {rank} raised for a matrix it does not own: {exc}"
+        text = str(exc)
+        assert "'layers.1.unused.weight' (shape (16, 16))" in text, text
+        assert "replicate_presence_flags=True" in text and "'layers.0.unused" not in text, text
+    else:
+        assert not owner, "the owner of a matrix used nowhere did not raise"
+    if owner:
+        assert state.params["layers.1.unused.weight"].sharded.grad is None
+        assert state.params["layers.0.unused.weight"].sharded.grad is not None or \
+            not state.params["layers.0.unused.weight"].is_owner
+    assert all(g.state.value == "sharded" for g in state.groups)
+
+    ref.zero_grad(set_to_none=True)
+    model.zero_grad(set_to_none=True)
+    _use_every_branch(ref, model)
+    tokens = global_batch(1)
+    lm_loss(ref, tokens).backward()
+    lm_loss(model, local_batch(tokens, rank, world)).backward()
+    assert_close_dicts(full_values(model, "grad"), reference_values(ref, "grad"), GRAD_RTOL,
+                       f"no flags, after the error {shape}")
+
+
 def _free_running(rank: int, world: int, shape: tuple[int, int], name: str, *,
-                  steps: int = 5, checkpointing: bool = False) -> None:
+                  steps: int = 5, checkpointing: bool = False,
+                  presence_flags: bool = True) -> None:
     """Five steps of a matrix optimizer (fp32 math) against one process; replicas bitwise
-    equal (parameters and optimizer state); the optimizer step communicates nothing."""
+    equal (parameters and optimizer state); the optimizer step communicates nothing. Without
+    presence flags every matrix takes part in the loss (the mode's contract)."""
     ref, model = _pair(checkpointing=checkpointing)
-    _wrap(model, shape)
+    if not presence_flags:
+        _use_every_branch(ref, model)
+    _wrap(model, shape, replicate_presence_flags=presence_flags)
     state = mf.get_state(model)
     kwargs = FREE_RUNNING_KWARGS.get(name, {})
     opt = mf.MatrixOptimizer(model, optimizer=name, lr=LR[name], weight_decay=0.1, tail_lr=1e-2,
@@ -209,10 +283,14 @@ def _accumulation(rank: int, world: int, shape: tuple[int, int]) -> None:
                            f"accumulation {mode} {shape}")
 
 
-def _counted_per_dim(rank: int, world: int, shape: tuple[int, int]) -> None:
-    """Exact calls and bytes per mesh dim of one forward+backward (all-to-all collectives)."""
+def _counted_per_dim(rank: int, world: int, shape: tuple[int, int],
+                     presence_flags: bool = True) -> None:
+    """Exact calls and bytes per mesh dim of one forward+backward (all-to-all collectives);
+    without presence flags the replicate all-reduce carries the gradients only."""
     _, model = _pair()
-    _wrap(model, shape, collectives="alltoall")
+    if not presence_flags:
+        _use_every_branch(model)
+    _wrap(model, shape, collectives="alltoall", replicate_presence_flags=presence_flags)
     state = mf.get_state(model)
     counter = state.comm.counter
     counter.reset()
@@ -238,7 +316,7 @@ def _counted_per_dim(rank: int, world: int, shape: tuple[int, int]) -> None:
     else:
         assert rep["forward"]["calls"] == 0
         assert rep["backward"]["calls"] == sum(1 for o in owned if o)
-        payload = sum((p.numel + 1) * 4 for o in owned for p in o)
+        payload = sum((p.numel + presence_flags) * 4 for o in owned for p in o)
         assert rep["backward"]["bytes_sent"] == rep["backward"]["bytes_received"] == payload
         # Each all-reduce holds a copy of the owner's segment only, never the group's buffer,
         # and the plan's memory model accounts for exactly that buffer.
@@ -438,14 +516,16 @@ def _cli_train_replicate(rank: int, world: int, root: str) -> None:
             "--set", "model.layers=2", "--set", "model.heads=2", "--set", "model.seq_len=32",
             "--set", "warmup_steps=1", "--set", "global_batch=8", "--set", "eval_batches=1"]
     overrides = config_overrides(["--replicate", "2", "--steps", "3", "--out",
-                                  f"{root}/cli", *tiny])
-    assert overrides["replicate"] == 2
+                                  f"{root}/cli", "--set", "replicate_presence_flags=false", *tiny])
+    assert overrides["replicate"] == 2 and overrides["replicate_presence_flags"] is False
     os.environ["LOCAL_WORLD_SIZE"] = str(world)  # as torchrun sets it: one thread per rank
     text = bytes(range(256)) * 64  # the corpus is beside the point: skip the stdlib walk
     with mock.patch.object(ByteCorpus, "_read_stdlib", staticmethod(lambda n: text[:n])):
         ctx = _build(load_config(None, **overrides))  # what each rank of the launch runs
-    assert mf.get_state(ctx.model).mesh_shape == (2, 2)
-    record = _train_step(ctx, 0)
+    state = mf.get_state(ctx.model)
+    assert state.mesh_shape == (2, 2)
+    assert not any(g.replicate_presence_flags for g in state.groups)
+    record = _train_step(ctx, 0)  # every matrix of the GPT takes part: no flag needed
     assert record["loss"] > 0 and record["matrix_comm_bytes_sent"]["optimizer"] <= 4
     _save(ctx, 1)
     layout = mf.checkpoint.read_layout(mf.checkpoint.latest(Path(root) / "cli" / "checkpoints"))
@@ -463,6 +543,14 @@ def _world(rank: int, world: int, root: str) -> None:
                 _free_running, rank, world, shape, name)
         subtests[f"accumulation_{tag}"] = functools.partial(_accumulation, rank, world, shape)
         subtests[f"counted_per_dim_{tag}"] = functools.partial(_counted_per_dim, rank, world, shape)
+    for shape in ((2, 2), (4, 1)):
+        tag = f"{shape[0]}x{shape[1]}"
+        subtests[f"no_presence_flags_{tag}"] = functools.partial(
+            _no_presence_flags, rank, world, shape)
+    subtests["counted_per_dim_no_flags_2x2"] = functools.partial(
+        _counted_per_dim, rank, world, (2, 2), presence_flags=False)
+    subtests["muon_5_steps_no_flags_2x2"] = functools.partial(
+        _free_running, rank, world, (2, 2), "muon", presence_flags=False)
     subtests["activation_checkpointing_2x2"] = functools.partial(
         _free_running, rank, world, (2, 2), "muon", steps=3, checkpointing=True)
     subtests["clip_2x2"] = functools.partial(_clip, rank, world, (2, 2))

@@ -5,7 +5,12 @@ from __future__ import annotations
 from torch import nn
 
 from .base import Strategy, StrategyContext, owner_plan, planner_for, tensor_bytes
-from .hsdp import DistMuonHSDPStrategy, DistMuonStrategy, MatrixFSDPHSDPStrategy
+from .hsdp import (
+    DistMuonHSDPStrategy,
+    DistMuonStrategy,
+    MatrixFSDPHSDPNoFlagsStrategy,
+    MatrixFSDPHSDPStrategy,
+)
 from .replicated import DDPStrategy, Zero1OwnerStrategy
 from .sharded import (
     FSDP2AdamWStrategy,
@@ -33,7 +38,8 @@ STRATEGY_CLASSES: dict[str, type[Strategy]] = {
     for cls in (DDPStrategy, ReconstructionStrategy, GatherOnceStrategy, Zero1OwnerStrategy,
                 MatrixFSDPStrategy, MatrixFSDPP2PStrategy, FSDP2AdamWStrategy,
                 FSDP2SGDMomentumStrategy, MatrixFSDPHSDPStrategy, DistMuonStrategy,
-                DistMuonHSDPStrategy, MatrixFSDPExchangeReduceStrategy)
+                DistMuonHSDPStrategy, MatrixFSDPExchangeReduceStrategy,
+                MatrixFSDPHSDPNoFlagsStrategy)
 }
 # Strategies that implement one matrix optimizer only (the others run with every optimizer).
 ONLY_FOR: dict[str, str] = {"distmuon": "muon", "distmuon_hsdp": "muon"}

@@ -18,7 +18,7 @@ all-to-alls run inside each shard group and every replica repeats its shard grou
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -35,7 +35,8 @@ from .base import Strategy, StrategyContext, chunk_sizes, owner_plan
 from .replicated import _adamw_state
 from .sharded import MatrixFSDPStrategy
 
-__all__ = ["DistMuonHSDPStrategy", "DistMuonStrategy", "MatrixFSDPHSDPStrategy", "hsdp_mesh"]
+__all__ = ["DistMuonHSDPStrategy", "DistMuonStrategy", "MatrixFSDPHSDPNoFlagsStrategy",
+           "MatrixFSDPHSDPStrategy", "hsdp_mesh"]
 
 
 def hsdp_mesh(ctx: StrategyContext) -> DeviceMesh:
@@ -63,6 +64,14 @@ class MatrixFSDPHSDPStrategy(MatrixFSDPStrategy):
 
     def mesh_dims(self) -> dict[tuple[int, ...], str]:
         return {_group_ranks(self.mesh2d, 1): "shard", _group_ranks(self.mesh2d, 0): "replicate"}
+
+
+class MatrixFSDPHSDPNoFlagsStrategy(MatrixFSDPHSDPStrategy):
+    """matrixfsdp HSDP with ``replicate_presence_flags=False``: the all-reduce over replicas
+    carries the gradients only (every matrix of the benchmark model takes part in the loss)."""
+
+    name = "matrixfsdp_noflags_hsdp"
+    wrap_kwargs: ClassVar[dict[str, Any]] = {"replicate_presence_flags": False}
 
 
 class DistMuonStrategy(Strategy):

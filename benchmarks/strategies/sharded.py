@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -213,10 +213,11 @@ class MatrixFSDPStrategy(Strategy):
     """``fully_shard_matrix`` (owners balanced by the optimizer's cost) + ``MatrixOptimizer``."""
 
     name = "matrixfsdp"
+    wrap_kwargs: ClassVar[dict[str, Any]] = {}  # more keywords for fully_shard_matrix (variants)
 
     def __init__(self, model: nn.Module, ctx: StrategyContext, *, mesh: Any = None) -> None:
         super().__init__(model, ctx)
-        mf.fully_shard_matrix(model, mesh, planner=planner_for(ctx.optim.name))
+        mf.fully_shard_matrix(model, mesh, planner=planner_for(ctx.optim.name), **self.wrap_kwargs)
         self.runtime = mf.get_state(model)
         if mesh is None and self.runtime.plan.params != ctx.plan.params:
             raise RuntimeError("matrixfsdp's plan differs from the plan the baselines use")

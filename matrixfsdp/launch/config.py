@@ -78,6 +78,8 @@ class TrainConfig(BaseModel):
     out: str = "runs/default"
     nproc: int = Field(2, ge=1)
     replicate: int = Field(1, ge=1)  # HSDP replicas: ranks = replicate x shard size (1 = flat)
+    # HSDP: presence flags in the all-reduce over replicas (fully_shard_matrix's keyword).
+    replicate_presence_flags: bool = True
 
     @model_validator(mode="before")
     @classmethod

@@ -91,7 +91,7 @@ def _build(cfg: TrainConfig) -> RunContext:
     mesh = (mf.init_hsdp_mesh(replicate=cfg.replicate, device_type=device.type)
             if cfg.replicate > 1 else None)  # HSDP: (replicate, shard); None: flat
     mf.fully_shard_matrix(model, mesh, reshard_after_forward=cfg.reshard_after_forward,
-                          planner=cost)
+                          planner=cost, replicate_presence_flags=cfg.replicate_presence_flags)
     kwargs = dict(cfg.optimizer_kwargs)
     if cfg.optimizer == "muon" and device.type == "cpu":
         kwargs.setdefault("ns_dtype", "float32")  # bf16 GEMMs are slow on CPUs

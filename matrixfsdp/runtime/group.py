@@ -27,27 +27,40 @@ class GradHandoff(NamedTuple):
     """Owners' averaged gradients, computed on a side stream, not yet in ``.grad``.
 
     ``flags[i]`` counts the ranks that had a gradient for ``params[i]`` (a device tensor: the
-    host reads every group's flags at once when gradients land, see [Note: streams]).
+    host reads every group's flags at once when gradients land, see [Note: streams]). With
+    ``flags_in_replica`` the flags count this replica's ranks only (HSDP without presence flags
+    in the replicate all-reduce, see [Note: presence flags]).
     """
 
     params: list[MatrixParam]
     grads: list[torch.Tensor]
     flags: torch.Tensor
+    flags_in_replica: bool = False
+
+
+# [Note: presence flags]
+# A gradient reduction carries, after each owner segment's values, one *presence flag* element
+# per trainable matrix of the segment (1 if this rank has a gradient for it), summed with the
+# values. A matrix that got no gradient on any rank keeps ``.grad = None``, as in single-device
+# training; one used on only some ranks gets the exact global-batch average (absent ranks add
+# zeros, the divisor is every rank).
+# Under HSDP (see [Note: HSDP mesh]) the owner's summed segment is then all-reduced over the
+# replicate group, by default flags included (``replicate_presence_flags=True``): a flag then
+# counts the ranks of every replica, and ``None`` means no rank of any replica had a gradient.
+# With ``replicate_presence_flags=False`` only the values cross replicas (the bytes of FSDP2's
+# HSDP all-reduce) and each owner knows its own replica's count. A matrix with a gradient in
+# its replica, or a nonzero summed gradient, is present somewhere: its average is exact and the
+# same in every replica. What remains, no gradient in the owner's replica and a summed gradient
+# of exactly zero, cannot tell "absent everywhere" (``None``) from "exact zeros elsewhere"
+# (a zero ``.grad``): that owner raises a ``ValueError`` instead of guessing, so replicas never
+# diverge silently.
 
 
 class MatrixGroup:
     """The matrices gathered by one module's forward (a block, or the root).
 
-    Segments follow the plan order of ``params`` (see [Note: owner segments]). For the gradient
-    reduction every trainable matrix gets one extra *presence flag* element (1 if this rank has a
-    gradient for it): the owner sums flags with the values, so a matrix that got no gradient on any
-    rank keeps ``.grad = None`` exactly as in single-device training, while a matrix used on only
-    some ranks still gets the exact global-batch average.
-
-    Under HSDP (``replicate`` set, see [Note: HSDP mesh]) the owner's summed segment, flags
-    included, is then summed over the replicate group: a flag counts the ranks of all replicas
-    that had a gradient, and the divisor is every rank of the mesh (``R x S``), so the result is
-    the exact global average, ``None`` only when no rank of any replica had a gradient.
+    Segments follow the plan order of ``params`` (see [Note: owner segments]); a reduction's
+    segment holds its matrices' values, then their presence flags (see [Note: presence flags]).
     """
 
     def __init__(
@@ -60,12 +73,14 @@ class MatrixGroup:
         reduce_dtype: torch.dtype | None = None,
         replicate: ReplicateComm | None = None,
         streams: RuntimeStreams | None = None,
+        replicate_presence_flags: bool = True,
     ) -> None:
         self.name = name
         self.module = module
         self.params = list(params)
         self.comm = comm
         self.replicate = replicate
+        self.replicate_presence_flags = replicate_presence_flags
         self.reduce_dtype = reduce_dtype
         self._streams = streams if streams is not None else RuntimeStreams()
         # Owners' summed segments kept while the replicate all-reduce is off (accumulation).
@@ -75,7 +90,10 @@ class MatrixGroup:
         self.gather_numels = [sum(p.numel for p in owned) for owned in self.owned_by]
         self.trainable = [p for p in self.params if p.requires_grad]
         self.trainable_by = [[p for p in owned if p.requires_grad] for owned in self.owned_by]
-        self.reduce_numels = [sum(p.numel + 1 for p in owned) for owned in self.trainable_by]
+        # Each owner segment of a reduction: its matrices' values, then one flag per matrix.
+        self.value_numels = [sum(p.numel for p in owned) for owned in self.trainable_by]
+        self.reduce_numels = [v + len(owned) for v, owned in zip(self.value_numels,
+                                                                  self.trainable_by, strict=True)]
         self.state = GroupState.SHARDED
         self._gather: InFlight[None] | None = None
         self.begin_iteration()
@@ -170,8 +188,9 @@ class MatrixGroup:
         streams = self.streams
         dtype = self._reduce_dtype()
         flat = torch.empty(sum(self.reduce_numels), dtype=dtype, device=self._device())
-        offset = 0
-        for owned in self.trainable_by:
+        segment = 0
+        for owned, values in zip(self.trainable_by, self.value_numels, strict=True):
+            offset, flag = segment, segment + values
             for p in owned:
                 grad = p.unsharded.grad
                 slot = flat[offset : offset + p.numel]
@@ -180,9 +199,10 @@ class MatrixGroup:
                 else:
                     slot.copy_(grad.reshape(-1))
                     streams.ops.keep_until_done(grad, streams.reduce)  # made on compute
-                flat[offset + p.numel] = 0.0 if grad is None else 1.0
-                offset += p.numel + 1
+                flat[flag] = 0.0 if grad is None else 1.0
+                offset, flag = offset + p.numel, flag + 1
                 p.unsharded.grad = None
+            segment = flag
         return flat
 
     def _after_reduce(self, owned: torch.Tensor) -> GradHandoff | torch.Tensor | None:
@@ -225,7 +245,10 @@ class MatrixGroup:
                              after=reduce.event)
 
     def _start_all_reduce(self, owned: torch.Tensor) -> tuple[Pending, Callable[[], GradHandoff]]:
-        pending = self.replicate.all_reduce(owned, async_op=True)  # type: ignore[union-attr]
+        # Without presence flags only the values cross replicas (see [Note: presence flags]).
+        crossing = (owned if self.replicate_presence_flags
+                    else owned[: self.value_numels[self.comm.rank]])
+        pending = self.replicate.all_reduce(crossing, async_op=True)  # type: ignore[union-attr]
         return pending, functools.partial(self.average_owned, owned)
 
     def average_owned(self, owned: torch.Tensor) -> GradHandoff:
@@ -235,14 +258,16 @@ class MatrixGroup:
         """
         mine = self.trainable_by[self.comm.rank]
         divisor = self.grad_divisor
-        grads, flags, start = [], [], 0
+        grads, start = [], 0
         for p in mine:
             values = owned[start : start + p.numel].view(p.shape)
             # A standalone tensor: a view would keep the whole group buffer alive.
             grads.append(torch.div(values, divisor).to(p.dtype))
-            flags.append(owned[start + p.numel : start + p.numel + 1])
-            start += p.numel + 1
-        return GradHandoff(mine, grads, torch.cat(flags).float())
+            start += p.numel
+        # A copy, as the gradients: the buffer can go.
+        flags = owned[start : start + len(mine)].to(torch.float32, copy=True)
+        in_replica = self.replicate is not None and not self.replicate_presence_flags
+        return GradHandoff(mine, grads, flags, flags_in_replica=in_replica)
 
     # -- helpers ----------------------------------------------------------------------------------
     def _device(self) -> torch.device:
@@ -263,20 +288,42 @@ def land_grads(handoffs: Sequence[GradHandoff]) -> None:
     gradient for keep theirs (``None`` stays ``None``, as on one device).
 
     One host synchronisation for all of ``handoffs`` (their flags read at once); the caller made
-    compute wait for the streams that produced them.
+    compute wait for the streams that produced them. Where flags count one replica only and
+    a matrix has none there, its summed gradient decides (one more synchronisation each); an
+    exactly-zero one raises after every other gradient has landed (see [Note: presence flags]).
     """
     if not handoffs:
         return
     flags = torch.cat([h.flags for h in handoffs]).tolist()
+    undecidable: list[MatrixParam] = []
     i = 0
     for handoff in handoffs:
         for p, grad in zip(handoff.params, handoff.grads, strict=True):
-            if flags[i] > 0:
+            present = flags[i] > 0
+            if not present and handoff.flags_in_replica:
+                present = bool(grad.ne(0).any())
+                if not present:
+                    undecidable.append(p)
+            if present:
                 if p.sharded.grad is None:
                     p.sharded.grad = grad
                 else:
                     p.sharded.grad.add_(grad)
             i += 1
+    if undecidable:
+        raise ValueError(_undecidable_message(undecidable))
+
+
+def _undecidable_message(params: Sequence[MatrixParam]) -> str:
+    listed = ", ".join(f"{p.fqn!r} (shape {tuple(p.shape)})" for p in params)
+    return (
+        f"matrixfsdp: {listed} got no gradient on any rank of this replica and a summed gradient "
+        "of exactly zero over the replicas, so whether another replica used it cannot be told "
+        "without presence flags (replicate_presence_flags=False). Pass "
+        "fully_shard_matrix(..., replicate_presence_flags=True) (the default) for models whose "
+        "matrices can go unused in a step, or make every selected matrix take part in the loss "
+        "(or leave it out with matrix_filter, or set requires_grad=False on it)."
+    )
 
 
 def _nothing() -> None:

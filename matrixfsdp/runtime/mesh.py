@@ -14,6 +14,7 @@
   (one all-reduce per matrix group, see [Note: pending work]). The gradient is then the average
   over all ``R x S`` ranks, bit-identical in every replica, and each replica runs the optimizer
   step on its own copy with zero communication. The tail is stock FSDP2 HSDP on the same mesh.
+  Whether the all-reduce carries presence flags: [Note: presence flags] in ``group.py``.
 - Collectives always name their mesh dim (``mesh.get_group(1)``): ``mesh.get_group()`` without a
   dim is an error on a 2-D mesh. A flat mesh is HSDP with one replica: shape ``(1, N)``.
 """

@@ -281,16 +281,18 @@ class MatrixFSDPState:
             Variable._execution_engine.queue_callback(self._final_callback)
 
     def _final_callback(self) -> None:
-        with comm_phase(Phase.BACKWARD):
-            if self.requires_grad_sync:
-                for group in self.groups:  # registration order: the same on every rank
-                    self._reduce(group)
-            self._drain()
-        for group in self.groups:
-            group.reshard()
-            group.use_sharded()
-        self._last_forward_order = self._forward_order
-        self._reset_iteration()
+        try:
+            with comm_phase(Phase.BACKWARD):
+                if self.requires_grad_sync:
+                    for group in self.groups:  # registration order: the same on every rank
+                        self._reduce(group)
+                self._drain()
+        finally:  # also when landing raised (see [Note: presence flags]): leave no gathered copy
+            for group in self.groups:
+                group.reshard()
+                group.use_sharded()
+            self._last_forward_order = self._forward_order
+            self._reset_iteration()
 
     # -- control ----------------------------------------------------------------------------------
     def retire_pending(self) -> None:
