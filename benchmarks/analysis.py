@@ -151,10 +151,12 @@ def aggregate_world(cfg: BenchConfig, timing: list[dict[str, Any]],
         for key in ("library_counter", "library_by_dim"):
             if key in counted:
                 strategies[name][key] = counted[key]
-    reference = strategies["ddp"]["losses"] if "ddp" in strategies else None
+    # The trajectory the others are compared with: DDP's, else flat matrixfsdp's (if run).
+    loss_reference = next((n for n in ("ddp", "matrixfsdp") if n in strategies), None)
     loss_diff = {}
     for name, s in strategies.items():
-        if reference is not None and name != "fsdp2_adamw":
+        if loss_reference is not None and name not in ("fsdp2_adamw", loss_reference):
+            reference = strategies[loss_reference]["losses"]
             loss_diff[name] = max(abs(a - b) for a, b in zip(s["losses"], reference, strict=True))
     memory_peaks = {name: memory_figures(ranks) for name, ranks in (memory or {}).items()}
     fits = fit_alpha_beta(r["comm_samples"] for r in timing)
@@ -162,6 +164,7 @@ def aggregate_world(cfg: BenchConfig, timing: list[dict[str, Any]],
     predicted = predict_measured(timing, ref, cfg.world_size, share, fits)
     return {
         "world_size": cfg.world_size, "strategies": strategies, "loss_diff_vs_ddp": loss_diff,
+        "loss_reference": loss_reference,
         "hsdp_shape": f"{cfg.hsdp_replicate}x{cfg.world_size // cfg.hsdp_replicate}",
         "memory": memory_peaks,
         "alpha_beta": fits, "predicted": predicted, "reference": ref, "contention": share,
