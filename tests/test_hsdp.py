@@ -247,12 +247,15 @@ def _expert_slices(rank: int, world: int) -> None:
     _across_replicas_equal(model, opt)
 
 
-def _accumulation(rank: int, world: int, shape: tuple[int, int]) -> None:
+def _accumulation(rank: int, world: int, shape: tuple[int, int],
+                  presence_flags: bool = True) -> None:
     """Two micro-batches: sync off communicates no gradient (neither dim); the synced backward
     reduces and all-reduces the sum. Then the same with only the replicate all-reduce off."""
     for mode in ("sync", "all_reduce"):
         ref, model = _pair()
-        _wrap(model, shape)
+        if not presence_flags:
+            _use_every_branch(ref, model)
+        _wrap(model, shape, replicate_presence_flags=presence_flags)
         counter = mf.get_state(model).comm.counter
         ref_opt = torch.optim.SGD(ref.parameters(), lr=0.2)
         opt = torch.optim.SGD(model.parameters(), lr=0.2)
@@ -549,6 +552,8 @@ def _world(rank: int, world: int, root: str) -> None:
             _no_presence_flags, rank, world, shape)
     subtests["counted_per_dim_no_flags_2x2"] = functools.partial(
         _counted_per_dim, rank, world, (2, 2), presence_flags=False)
+    subtests["accumulation_no_flags_2x2"] = functools.partial(
+        _accumulation, rank, world, (2, 2), presence_flags=False)
     subtests["muon_5_steps_no_flags_2x2"] = functools.partial(
         _free_running, rank, world, (2, 2), "muon", presence_flags=False)
     subtests["activation_checkpointing_2x2"] = functools.partial(
@@ -591,6 +596,7 @@ def _world_on_device(rank: int, world: int) -> None:
         "grads_unused_frozen_2x2": functools.partial(_grads_unused_frozen, rank, world, (2, 2)),
         "muon_5_steps_2x2": functools.partial(_free_running, rank, world, (2, 2), "muon"),
         "accumulation_2x2": functools.partial(_accumulation, rank, world, (2, 2)),
+        "no_presence_flags_2x2": functools.partial(_no_presence_flags, rank, world, (2, 2)),
         "clip_2x2": functools.partial(_clip, rank, world, (2, 2)),
     })
 
