@@ -126,15 +126,16 @@ def _exchange_record(phase: str, ops: list[Any]) -> Collective:
 
 
 @contextlib.contextmanager
-def _rooted_log() -> Iterator[list[tuple[str, bool]]]:
-    """Record (op, am_root) of every ``dist.broadcast``/``dist.reduce`` call, in call order."""
-    log: list[tuple[str, bool]] = []
+def _rooted_log() -> Iterator[list[tuple[str, int, bool]]]:
+    """Record (op, bytes, am_root) of every ``dist.broadcast``/``dist.reduce`` call, in call
+    order (see ``_take_root`` for how they are matched with the profiler's events)."""
+    log: list[tuple[str, int, bool]] = []
     originals = {"broadcast": dist.broadcast, "reduce": dist.reduce}
 
     def wrap(op: str, fn: Callable[..., Any], key: str) -> Callable[..., Any]:
         def wrapper(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             root = kwargs.get(key, args[0] if args else None)
-            log.append((op, root == dist.get_rank()))
+            log.append((op, tensor.numel() * tensor.element_size(), root == dist.get_rank()))
             return fn(tensor, *args, **kwargs)
 
         return wrapper
@@ -156,7 +157,7 @@ def count_collectives(phase: str, fn: Callable[[], Any], world: int) -> tuple[An
     a2a_out = [_nbytes(e.shapes()[:1], e.dtypes()[:1]) for e in events
                if e.name() == "c10d::alltoall_base_"]
     backend = [e for e in events if e.name().startswith(_BACKENDS)]
-    rooted = {op: iter([am_root for o, am_root in roots if o == op]) for op in ("broadcast", "reduce")}
+    pending_roots = list(roots)
     out = [Collective(phase, b.op, b.size, b.recv, b.sent) for b in batches]
     for e in backend:
         op = e.name().split(":", 1)[1]
@@ -167,7 +168,7 @@ def count_collectives(phase: str, fn: Callable[[], Any], world: int) -> tuple[An
             o = a2a_out.pop(0) if a2a_out else s
             out.append(Collective(phase, op, max(s, o), o, s))
         elif op in ("broadcast", "reduce"):
-            am_root = next(rooted[op], False)
+            am_root = _take_root(pending_roots, op, s)
             many = (world - 1) * s
             recv = (many if am_root else 0) if op == "reduce" else (0 if am_root else s)
             sent = (s if not am_root else 0) if op == "reduce" else (many if am_root else 0)
@@ -175,6 +176,22 @@ def count_collectives(phase: str, fn: Callable[[], Any], world: int) -> tuple[An
         else:
             out.append(_symmetric(phase, op, s, world))
     return result, out
+
+
+def _take_root(pending: list[tuple[str, int, bool]], op: str, nbytes: int) -> bool:
+    """Whether this rank was the root of the profiler event ``op`` of ``nbytes``: the first
+    logged call of that op and size. Events are ordered by start time, which for asynchronous
+    calls on gloo's worker threads need not be call order; calls of one size are
+    interchangeable for the byte counts (one root, one receiver either way)."""
+    for i, (o, size, am_root) in enumerate(pending):
+        if o == op and size == nbytes:
+            del pending[i]
+            return am_root
+    for i, (o, _, am_root) in enumerate(pending):
+        if o == op:
+            del pending[i]
+            return am_root
+    return False
 
 
 _DIM_OPS = ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_single",
