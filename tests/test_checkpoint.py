@@ -13,7 +13,9 @@ import hashlib
 import json
 import os
 import pickle
+import re
 import shutil
+import time
 from pathlib import Path
 from unittest import mock
 
@@ -346,6 +348,63 @@ def _mismatches(rank: int, world: int, root: str) -> None:
         ck.load(path, model, opt)
     ck.load(path, model, opt, weights_only=True)
     assert_close_dicts(_values(model), ref["values"], 0.0, "weights-only, other optimizer")
+
+
+AGREED_WITHIN_S = 20.0  # a failure agreed by one all-reduce takes well under a second
+
+
+def _raises_everywhere(rank: int, failing: dict[int, tuple[str, BaseException]], load) -> None:
+    """``load()`` raises on every rank, promptly: ``failing`` maps rank -> (patch target, error).
+
+    A failing rank raises its own error; the others a ``CheckpointError`` naming them. Before
+    the agreement the others waited in ``dcp.load`` for the failed rank (until the run timed out).
+    """
+    target, error = failing.get(rank, (None, None))
+    patch = mock.patch(target, side_effect=error) if target else contextlib.nullcontext()
+    want = re.escape(str(error)) if error else re.escape(f"failed on rank(s) {sorted(failing)}")
+    start = time.monotonic()
+    with patch, pytest.raises(type(error) if error else ck.CheckpointError, match=want):
+        load()
+    elapsed = time.monotonic() - start
+    assert elapsed < AGREED_WITHIN_S, f"rank {rank} raised only after {elapsed:.1f} s"
+
+
+def _failures_agreed(rank: int, world: int, root: str) -> None:
+    """A load that fails on some ranks only raises on every rank, and the world stays in step."""
+    good = ck.latest(_ckpt_root(root, 2, "muon"))
+    ref = torch.load(_ref_file(root, 2, "muon"), weights_only=True)
+    model, opt = _make("muon", seed=1)
+    # A layout file that rank 1 alone reads corrupt (a stale cache, a partial sync): rank 1
+    # loads a damaged copy, the others the intact checkpoint.
+    damaged = Path(root) / f"agreed{world}" / "damaged"
+    if rank == 0:
+        shutil.copytree(good, damaged)
+        (damaged / "matrixfsdp_layout.json").write_text("{")
+    dist.barrier()
+    for_rank = damaged if rank == 1 else good
+    with pytest.raises(ck.CorruptCheckpointError if rank == 1 else ck.CheckpointError,
+                       match="not valid JSON" if rank == 1 else re.escape("rank(s) [1]")):
+        ck.load(for_rank, model, opt)
+    mismatch = ("matrixfsdp.checkpoint.core.check_model",
+                ck.CheckpointMismatchError("rank-1-only: shape mismatch 'layers.0.up.weight'"))
+    plan = ("matrixfsdp.checkpoint.core.check_optimizer",
+            ck.CheckpointMismatchError("rank-2-only: another plan"))
+    install = ("matrixfsdp.checkpoint._statedict.install_optimizer_state",
+               RuntimeError("rank-1-only: cannot install the optimizer state"))
+    cases = [{1: mismatch}, {1: install}]
+    if world == 3:
+        cases.append({1: mismatch, 2: plan})  # two ranks, two different errors
+    for failing in cases:
+        _raises_everywhere(rank, failing, lambda: ck.load(good, model, opt))
+    # Every rank left the failed loads at the same point: the next load is collective as usual.
+    assert ck.load(good, model, opt)["step"] == SAVE_AT
+    assert_close_dicts(_values(model), ref["values"], 0.0, "after the agreed failures")
+
+
+def test_load_failures_are_agreed_across_ranks(saved: str) -> None:
+    """One rank's failure in ``checkpoint.load`` raises on every rank, never a hang (worlds 2, 3)."""
+    for world in (2, 3):
+        run_world(world, _failures_agreed, saved, timeout=90)
 
 
 def _interop(rank: int, world: int, root: str) -> None:

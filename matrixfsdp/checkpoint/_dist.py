@@ -2,8 +2,9 @@
 
 A rank that raises while its peers wait in a collective hangs the job until the process-group
 timeout. Every step of a save or load that can fail on one rank alone (building the local state
-dict, the coordinator's file operations) is therefore followed by one integer all-reduce: if any
-rank failed, every rank raises.
+dict, reading and checking the layout against the model, installing the read state, the
+coordinator's file operations) is therefore followed by one integer all-reduce before any rank
+enters the next collective: if any rank failed, every rank raises.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ import json
 import logging
 import os
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -224,6 +225,50 @@ def wait_pending() -> None:
 
 
 # -- load ------------------------------------------------------------------------------------------
+@dataclass
+class _LoadRequest:
+    """What one rank reads in a load, decided (and checked) before any collective."""
+
+    layout: CheckpointLayout
+    targets: dict[str, torch.Tensor]
+    routes: dict[int, dict[str, str]]  # per optimizer parameter (by id): state key -> DCP key
+    rng: dict[str, torch.Tensor] | None  # None: the RNG state is not restored
+    use_optimizer: bool
+
+
+def _prepare_load(
+    path: Path, model: nn.Module, runtime: MatrixFSDPState,
+    optimizer: torch.optim.Optimizer | None, *, weights_only: bool, strict: bool,
+    restore_rng: bool, rank: int,
+) -> _LoadRequest:
+    """Local: read and check the layout, build this rank's DCP targets. Issues no collective."""
+    layout, metadata = open_checkpoint(path)
+    runtime.quiesce()  # nothing in flight may read a parameter this load writes
+    current = sd.model_entries(model, runtime)
+    fqns = check_model(path, layout, current, weights_only=weights_only, strict=strict)
+    use_optimizer = optimizer is not None and not weights_only
+    if use_optimizer:
+        check_optimizer(path, layout, optimizer, model, plan=runtime.plan)
+    targets = sd.model_targets(model, runtime, fqns)
+    routes: dict[int, dict[str, str]] = {}
+    if use_optimizer:
+        optim_targets, routes = sd.optimizer_targets(model, runtime, optimizer, metadata)
+        targets.update(optim_targets)
+    rng = sd.rng_targets(metadata, rank) if restore_rng and not weights_only else None
+    targets.update(rng or {})
+    return _LoadRequest(layout, targets, routes, rng, use_optimizer)
+
+
+def _install(request: _LoadRequest, optimizer: torch.optim.Optimizer | None, rank: int) -> None:
+    """Local: hand the read optimizer state, hyperparameters and RNG state to their owners."""
+    if request.use_optimizer:
+        assert optimizer is not None and request.layout.optimizer is not None  # checked before
+        sd.install_optimizer_state(optimizer, request.targets, request.routes)
+        sd.restore_hyperparams(optimizer, request.layout.optimizer)
+    if request.rng is not None:
+        sd.restore_rng(request.rng, rank)
+
+
 def load(
     path: str | os.PathLike[str],
     model: nn.Module,
@@ -243,34 +288,36 @@ def load(
     RNG). ``strict=False`` skips entries missing on either side (shape mismatches always raise).
     ``restore_rng`` restores each rank's saved CPU (and CUDA) generator state where the saving
     world had that rank. Returns ``{"step": ..., "extra": ...}``.
+
+    A failure on some ranks only (a file one rank reads differently, a model that differs on one
+    rank) raises on every rank, never leaving the others waiting in a collective: the failing
+    ranks raise their own error, the others a ``CheckpointError`` naming the failing ranks.
+    Checks fail before anything is written; a failure while installing the read state (after
+    the read) leaves the model holding the checkpoint's weights.
     """
     wait_pending()
     path = Path(path)
-    layout, metadata = open_checkpoint(path)
     runtime = get_state(model)
-    runtime.quiesce()  # nothing in flight may read a parameter this load writes
     group = sd.mesh_group(runtime)
     rank = group_rank(group)
-    current = sd.model_entries(model, runtime)
-    fqns = check_model(path, layout, current, weights_only=weights_only, strict=strict)
-    use_optimizer = optimizer is not None and not weights_only
-    if use_optimizer:
-        check_optimizer(path, layout, optimizer, model, plan=runtime.plan)
-    targets = sd.model_targets(model, runtime, fqns)
-    routes: dict[int, dict[str, str]] = {}
-    if use_optimizer:
-        optim_targets, routes = sd.optimizer_targets(model, runtime, optimizer, metadata)
-        targets.update(optim_targets)
-    rng = sd.rng_targets(metadata, rank) if restore_rng and not weights_only else {}
-    targets.update(rng)
+    request: _LoadRequest | None = None
+    error = None
+    try:
+        request = _prepare_load(path, model, runtime, optimizer, weights_only=weights_only,
+                                strict=strict, restore_rng=restore_rng, rank=rank)
+    except Exception as exc:  # forwarded so that no rank waits alone in dcp.load
+        error = exc
+    agree(error, group, f"checking {path} against the model")
+    assert request is not None  # agree() raised otherwise
     with torch.no_grad(), dcp_errors(f"reading {path}"):
-        dcp.load(targets, storage_reader=SafeFileSystemReader(str(path)), process_group=group)
-    if use_optimizer:
-        assert optimizer is not None and layout.optimizer is not None  # checked above
-        sd.install_optimizer_state(optimizer, targets, routes)
-        sd.restore_hyperparams(optimizer, layout.optimizer)
-    if restore_rng and not weights_only:
-        sd.restore_rng(rng, rank)
+        dcp.load(request.targets, storage_reader=SafeFileSystemReader(str(path)),
+                 process_group=group)
+    try:
+        _install(request, optimizer, rank)
+    except Exception as exc:  # forwarded so that no rank trains on while another failed
+        error = exc
+    agree(error, group, f"installing the state read from {path}")
+    layout = request.layout
     logger.info("matrixfsdp.checkpoint: loaded step %d from %s (saved on mesh (replicate, "
                 "shard) = %s, now %s over %d ranks)", layout.step, path,
                 layout.saved_mesh_shape, runtime.mesh_shape, group_size(group))
