@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import logging
+import os
 import random
+import subprocess
+import sys
+import textwrap
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 import pytest
 import torch
 
+from matrixfsdp.collectives import nvshmem_backend
 from matrixfsdp.collectives import nvshmem_schedule as sched
 from matrixfsdp.collectives.base import CommCounter, OwnerComm, Pending
-from matrixfsdp.collectives.nvshmem_backend import NvshmemOwnerComm
+from matrixfsdp.collectives.nvshmem_backend import NvshmemOwnerComm, close_all, exit_timeout_s
 from matrixfsdp.collectives.nvshmem_probe import (
     LocalFacts,
     ProbeReason,
@@ -32,7 +39,13 @@ from matrixfsdp.collectives.nvshmem_schedule import (
     reduce_program,
     slot_of,
 )
-from matrixfsdp.collectives.nvshmem_sim import Call, ScheduleViolationError, ThreadedWorld, simulate
+from matrixfsdp.collectives.nvshmem_sim import (
+    Call,
+    ScheduleViolationError,
+    SimTransport,
+    ThreadedWorld,
+    simulate,
+)
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -322,6 +335,86 @@ def test_gather_into_parts_on_threaded_pes() -> None:
         for r in range(world):
             for want, have in zip(values[r], parts[r], strict=True):
                 assert torch.equal(have, want), (rank, async_op, r)
+
+
+# -- the bounded exit path --------------------------------------------------------------------------
+class _PeerGoneTransport(SimTransport):
+    """A PE whose closing barrier waits for a peer that is gone (until ``peer_arrives`` is set)."""
+
+    def __init__(self, world: ThreadedWorld, rank: int) -> None:
+        super().__init__(world, rank)
+        self.peer_arrives = threading.Event()
+
+    def close(self) -> None:
+        self.peer_arrives.wait()  # the barrier: returns only when the peer shows up
+        super().close()
+
+
+def _exit_comms(world: ThreadedWorld) -> tuple[NvshmemOwnerComm, NvshmemOwnerComm]:
+    stuck = NvshmemOwnerComm(_PeerGoneTransport(world, 0), world.layout,
+                             fallback=_CountingFallback(0, 2))
+    after = NvshmemOwnerComm(world.transport(0), world.layout, fallback=_CountingFallback(0, 2))
+    return stuck, after
+
+
+def test_exit_path_gives_up_on_a_dead_peer(monkeypatch: pytest.MonkeyPatch,
+                                           caplog: pytest.LogCaptureFixture) -> None:
+    """A barrier that never returns: the exit path returns within its bound, warns, and frees
+    (finalises) nothing later, even when the stuck barrier returns after the deadline."""
+    monkeypatch.setattr(nvshmem_backend, "_EXIT_EXPIRED", threading.Event())
+    world = ThreadedWorld(plan_heap([SegmentShape((3, 5), 4)], 2))
+    stuck, after = _exit_comms(world)
+    start = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger=nvshmem_backend.__name__):
+        assert close_all(timeout_s=0.3) is False
+    assert time.monotonic() - start < 2.0
+    assert "did not finish within 0.3 s" in caplog.text and "without" in caplog.text
+    stuck.transport.peer_arrives.set()  # the peer shows up after the deadline
+    for thread in threading.enumerate():
+        if thread.name == "matrixfsdp-nvshmem-exit":
+            thread.join(5)
+    assert stuck.transport.closed and not after.transport.closed, "closed after the deadline"
+    nvshmem_backend._EXIT_EXPIRED.clear()
+    assert close_all(timeout_s=5.0) is True and after.transport.closed  # live peers: in time
+    assert close_all() is True  # nothing left open
+
+
+def test_exit_timeout_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(nvshmem_backend.EXIT_TIMEOUT_ENV, raising=False)
+    assert exit_timeout_s() == nvshmem_backend.DEFAULT_EXIT_TIMEOUT_S
+    monkeypatch.setenv(nvshmem_backend.EXIT_TIMEOUT_ENV, "0.25")
+    assert exit_timeout_s() == 0.25
+    for bad in ("0", "-1", "soon", "inf", "nan"):
+        monkeypatch.setenv(nvshmem_backend.EXIT_TIMEOUT_ENV, bad)
+        with pytest.raises(ValueError, match=f"MATRIXFSDP_NVSHMEM_EXIT_TIMEOUT_S='{bad}'"):
+            exit_timeout_s()
+
+
+_EXITING_PROCESS = """
+import logging, time
+logging.basicConfig(level=logging.WARNING)
+from matrixfsdp.collectives.nvshmem_backend import NvshmemOwnerComm
+from matrixfsdp.collectives.nvshmem_schedule import SegmentShape, plan_heap
+from matrixfsdp.collectives.nvshmem_sim import ThreadedWorld
+from tests.test_nvshmem import _exit_comms
+world = ThreadedWorld(plan_heap([SegmentShape((3, 5), 4)], 2))
+comms = _exit_comms(world)  # open at exit; the first one's barrier never returns
+print(f"exiting at {time.time()}", flush=True)
+"""
+
+
+def test_process_with_a_dead_peer_exits_within_the_bound() -> None:
+    """The real ``atexit`` handler: the interpreter exits (status 0) once the bound expires."""
+    bound = 1.0
+    env = {**os.environ, nvshmem_backend.EXIT_TIMEOUT_ENV: str(bound), "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(_EXITING_PROCESS)], env=env,
+                          capture_output=True, text=True, timeout=120)
+    exited = time.time()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "did not finish within 1 s" in proc.stderr, proc.stderr
+    started_exit = float(proc.stdout.split("exiting at ")[1])
+    assert exited - started_exit < bound + 10.0, f"exit took {exited - started_exit:.1f} s"
 
 
 # -- the capability probe ---------------------------------------------------------------------------

@@ -23,12 +23,22 @@ cuda.core.Device(i), uid=..., rank=..., nranks=..., initializer_method="uid")``,
 ``ComparisonType``. The bindings are called with raw addresses because ``nvshmem.core.put_signal``
 sizes a transfer as the smaller of the two *whole* buffers and finds a tensor's buffer by its
 base pointer, so it cannot address a slot inside the heap.
+
+At interpreter exit every communicator still open is closed (drain, barrier, free, finalize).
+Those steps are collective, so a peer that died or hangs would block the exit for ever; the exit
+path therefore runs them on a daemon thread and waits at most ``MATRIXFSDP_NVSHMEM_EXIT_TIMEOUT_S``
+seconds (default 5; a positive number). When that expires it logs a warning and leaves the rest
+undone: no further heap is freed and NVSHMEM is not finalised, even if the stuck barrier returns
+later. An explicit ``close()`` is not bounded (every rank calls it while all are alive).
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
+import math
+import os
+import threading
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -58,8 +68,10 @@ __all__ = [
     "Nvshmem4pyTransport",
     "NvshmemOwnerComm",
     "SymmetricTransport",
+    "close_all",
     "consume_gather",
     "consume_reduce",
+    "exit_timeout_s",
     "make_nvshmem_comm",
     "run_program",
     "segment_shapes",
@@ -249,6 +261,71 @@ class NvshmemOwnerComm(OwnerComm):
 _LIVE: weakref.WeakSet[NvshmemOwnerComm] = weakref.WeakSet()
 
 
+# -- the bounded exit path ------------------------------------------------------------------------
+EXIT_TIMEOUT_ENV = "MATRIXFSDP_NVSHMEM_EXIT_TIMEOUT_S"
+DEFAULT_EXIT_TIMEOUT_S = 5.0
+# Set when the exit path gave up: nothing may free or finalise after that, even if a barrier that
+# was stuck returns late (the interpreter is shutting down around it).
+_EXIT_EXPIRED = threading.Event()
+
+
+def exit_timeout_s() -> float:
+    """Seconds the exit path waits for the collective close (``MATRIXFSDP_NVSHMEM_EXIT_TIMEOUT_S``)."""
+    raw = os.environ.get(EXIT_TIMEOUT_ENV, "").strip()
+    if not raw:
+        return DEFAULT_EXIT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{EXIT_TIMEOUT_ENV}={raw!r}: expected a positive number of seconds "
+                         f"(default {DEFAULT_EXIT_TIMEOUT_S:g})")
+    return value
+
+
+def _close_in_order(comms: Sequence[NvshmemOwnerComm]) -> None:
+    for comm in comms:
+        if _EXIT_EXPIRED.is_set():
+            return  # given up: the next close would free (and maybe finalise) after the deadline
+        try:
+            comm.close()
+        except Exception:  # the peers may be gone already; nothing left to protect
+            logger.debug("matrixfsdp: closing an NVSHMEM communicator at exit failed",
+                         exc_info=True)
+
+
+def close_all(timeout_s: float | None = None) -> bool:
+    """Close every open ``NvshmemOwnerComm``, waiting at most ``timeout_s`` seconds.
+
+    The interpreter-exit path (see the module docstring); ``None`` reads
+    ``MATRIXFSDP_NVSHMEM_EXIT_TIMEOUT_S``. Returns True when every close finished in time; else
+    logs a warning, leaves the remaining heaps and NVSHMEM itself as they are (no finalize) and
+    returns False, with the stuck close left on a daemon thread that cannot delay the exit.
+    """
+    comms = list(_LIVE)
+    if not comms:
+        return True
+    if timeout_s is None:
+        try:
+            timeout_s = exit_timeout_s()
+        except ValueError as exc:
+            logger.warning("matrixfsdp: %s; using %g s", exc, DEFAULT_EXIT_TIMEOUT_S)
+            timeout_s = DEFAULT_EXIT_TIMEOUT_S
+    closer = threading.Thread(target=_close_in_order, args=(comms,), daemon=True,
+                              name="matrixfsdp-nvshmem-exit")
+    closer.start()
+    closer.join(timeout_s)
+    if not closer.is_alive():
+        return True
+    _EXIT_EXPIRED.set()
+    logger.warning(
+        "matrixfsdp: closing %d NVSHMEM communicator(s) at exit did not finish within %g s (a "
+        "peer died or has not reached its exit; %s sets the bound); exiting without freeing the "
+        "symmetric heap or finalising NVSHMEM", len(comms), timeout_s, EXIT_TIMEOUT_ENV)
+    return False
+
+
 def segment_shapes(groups: Sequence[Any]) -> list[SegmentShape]:
     """Every collective a model's matrix groups will issue, as segment shapes for ``plan_heap``."""
     shapes = []
@@ -267,6 +344,7 @@ def make_nvshmem_comm(fallback: OwnerComm, groups: Sequence[Any], device: torch.
     Collective over ``fallback.group``: a probe (two small all-gathers), then NVSHMEM's
     initialisation and the collective symmetric allocations.
     """
+    exit_timeout_s()  # a bad MATRIXFSDP_NVSHMEM_EXIT_TIMEOUT_S fails here, not at exit
     layout = plan_heap(segment_shapes(groups), fallback.world_size, buffers)
     group = getattr(fallback, "group", None)
     reason, detail = probe(group, device.type, layout.total_bytes)
@@ -368,18 +446,20 @@ class Nvshmem4pyTransport:  # pragma: no cover - needs CUDA and nvshmem4py
                                                    int(stream.cuda_stream))
 
     def close(self) -> None:
-        """Collective: drain, barrier, free the symmetric tensors, then maybe finalize."""
-        torch.cuda.synchronize(self.device)
-        self._barrier()
-        self._core.free_tensor(self._signals)
-        self._core.free_tensor(self.heap)
-        _Runtime.release()
+        """Collective: drain, barrier, free the symmetric tensors, then maybe finalize.
+
+        Runs on the caller's thread or on the exit path's closer thread (hence the device guard).
+        """
+        with torch.cuda.device(self.device):
+            torch.cuda.synchronize(self.device)
+            self._barrier()
+            if _EXIT_EXPIRED.is_set():
+                return  # the exit path gave up waiting: free and finalize would race the shutdown
+            self._core.free_tensor(self._signals)
+            self._core.free_tensor(self.heap)
+            _Runtime.release()
 
 
 @atexit.register
-def _close_all() -> None:  # pragma: no cover - runs at interpreter exit
-    for comm in list(_LIVE):
-        try:
-            comm.close()
-        except Exception:  # the peers may be gone already; nothing left to protect
-            logger.debug("matrixfsdp: closing an NVSHMEM communicator at exit failed", exc_info=True)
+def _close_all_at_exit() -> None:  # pragma: no cover - runs at interpreter exit
+    close_all()
