@@ -101,11 +101,13 @@ def fully_shard_matrix(
             fewest buffers and run fastest on the backend: on NCCL, gathers exchange while a group's
             owners cover about half the ranks or more, else broadcast, and gradients reduce
             per segment in place; on gloo, broadcasts, and reductions in rounds (each owner
-            receives its peers' copies one after another into one buffer; see
-            ``TorchOwnerComm``). ``"nvshmem"``: one-sided put-with-signal transfers through
-            nvshmem4py (``pip install 'matrixfsdp[nvshmem]'``; CUDA, ranks on one host); where
-            it cannot run, one warning names the reason and the ``"auto"`` path is used
-            (``"auto"`` never picks NVSHMEM by itself).
+            receives its peers' copies one after another into one buffer), a form for gloo
+            only: with every send posted and one receive at a time it could deadlock on NCCL
+            (see ``TorchOwnerComm`` and [Note: rounds need gloo]). ``"nvshmem"``: one-sided
+            put-with-signal transfers through nvshmem4py (``pip install
+            'matrixfsdp[nvshmem]'``; CUDA, ranks on one host); where it cannot run, one warning
+            names the reason and the ``"auto"`` path is used (``"auto"`` never picks NVSHMEM by
+            itself).
         replicate_presence_flags: HSDP only (ignored on a 1-D mesh). ``True``: each owner's
             all-reduce over the replicas carries one 4-byte presence flag per matrix with the
             gradients, so a matrix used on some ranks, some replicas or none gets exactly the

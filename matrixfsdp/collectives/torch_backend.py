@@ -30,11 +30,11 @@ class TorchOwnerComm(OwnerComm):
     ``reduce(dst=owner)`` per non-empty segment and ``"allreduce"`` one ``all_reduce`` of the
     whole buffer, both in place (nothing more held); ``"alltoall"`` exchanges (each rank sends
     segment ``r`` to rank ``r``; the owner receives its ``N − 1`` peers' copies into as many
-    buffers and sums them into its segment on ``wait()``); ``"rounds"`` sends the same way but
-    receives the peers' copies one after another into one buffer (peer ``rank − 1`` first, then
-    ``rank − 2``, ...), summing each as it lands: the first receive is posted with the sends,
-    the others on ``wait()``. Every form works on gloo and NCCL (uneven sizes; empty segments
-    are skipped).
+    buffers and sums them into its segment on ``wait()``); ``"rounds"`` (gloo only) sends the
+    same way but receives the peers' copies one after another into one buffer (peer
+    ``rank − 1`` first, then ``rank − 2``, ...), summing each as it lands: the first receive is
+    posted with the sends, the others on ``wait()``. Every form but ``"rounds"`` works on gloo
+    and NCCL (uneven sizes; empty segments are skipped). See [Note: rounds need gloo].
 
     ``"auto"`` (the default for both) decides per call from the segment sizes, which come from
     the plan and so agree on every rank, and from the backend that carries the tensors:
@@ -48,7 +48,8 @@ class TorchOwnerComm(OwnerComm):
       ``reduce`` per segment (NCCL pipelines each; per rank about the bytes of a
       reduce-scatter). On gloo the rounds: the bytes of a reduce-scatter and one receive buffer
       of the owner's segment, where gloo's ``reduce`` (a ring reduce-scatter plus a gather per
-      segment) and an in-place ``all_reduce`` (twice the bytes) both take longer.
+      segment) and an in-place ``all_reduce`` (twice the bytes) both take longer. ``"auto"``
+      picks the rounds only where gloo carries the tensors.
     """
 
     def __init__(
@@ -72,11 +73,13 @@ class TorchOwnerComm(OwnerComm):
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
+        self._backend = str(dist.get_backend(group)).lower()
+        if reduce_impl == "rounds" and "gloo" not in self._backend:
+            reduce_form("rounds", gloo=False, backend=self._backend)  # raises: gloo only
         self.gather_impl = gather_impl
         self.reduce_impl = reduce_impl
         self.counter = counter if counter is not None else CommCounter()
         self.dim = dim  # the mesh dim this group spans, for the counter
-        self._backend = str(dist.get_backend(group)).lower()
         self._global_ranks = [
             dist.get_global_rank(group, r) if group is not None else r
             for r in range(self.world_size)
@@ -145,7 +148,8 @@ class TorchOwnerComm(OwnerComm):
         own = segments[self.rank]
         if self.world_size == 1:
             return own, Pending()
-        form = reduce_form(self.reduce_impl, gloo=self._on_gloo(flat))
+        form = reduce_form(self.reduce_impl, gloo=self._on_gloo(flat),
+                           backend=self._backend_of(flat))
         if form == "allreduce":
             return own, self._reduce_all(flat, async_op)
         if form == "reduce":
@@ -174,6 +178,7 @@ class TorchOwnerComm(OwnerComm):
     def _reduce_rounds(
         self, flat: torch.Tensor, segments: Sequence[torch.Tensor], async_op: bool
     ) -> Pending:
+        """Gloo only (``reduce_form`` refuses it elsewhere; see [Note: rounds need gloo])."""
         me, n = self.rank, self.world_size
         own = segments[me]
         # Peer me + k receives its segment in round k; this rank hears from me - k in round k,
@@ -211,13 +216,17 @@ class TorchOwnerComm(OwnerComm):
         self.counter.record("reduce_to_owners", _nbytes(flat), _nbytes(flat), dim=self.dim)
         return _issued([work], async_op, keepalive=(flat,))
 
-    def _on_gloo(self, t: torch.Tensor) -> bool:
-        """Whether ``t``'s device is served by gloo in this group (``"cpu:gloo,cuda:nccl"``-style
-        backends map each device type to one)."""
+    def _backend_of(self, t: torch.Tensor) -> str:
+        """The backend serving ``t``'s device in this group (``"cpu:gloo,cuda:nccl"``-style
+        backends map each device type to one; ``""`` where none does)."""
         backend = self._backend
         if ":" in backend:
             backend = dict(kv.split(":", 1) for kv in backend.split(",")).get(t.device.type, "")
-        return backend == "gloo"
+        return backend
+
+    def _on_gloo(self, t: torch.Tensor) -> bool:
+        """Whether ``t``'s device is served by gloo in this group."""
+        return self._backend_of(t) == "gloo"
 
     # -- point-to-point ---------------------------------------------------------------------------
     def _exchange(self, sends: Sequence[tuple[int, torch.Tensor]],
@@ -272,10 +281,37 @@ def gather_form(impl: str, numels: Sequence[int], world_size: int, *,
     return "broadcast" if gloo or owners < (world_size - 1) / 2 else "alltoall"
 
 
-def reduce_form(impl: str, *, gloo: bool) -> Literal["alltoall", "rounds", "reduce", "allreduce"]:
-    """The reduction form ``TorchOwnerComm`` uses for ``impl`` (``"auto"``: see its rule)."""
+# [Note: rounds need gloo]
+# A reduction in rounds posts all of a rank's sends at once but only its first receive; each
+# later receive is posted after the previous one landed. That completes only if an unmatched
+# send holds nothing else up until its receive is posted. gloo progresses each send and receive
+# on its own, so every later receive, once posted, meets a send posted before it. NCCL does
+# not: a send completes only as the peer's receive takes its data (beyond what fits in the
+# connection's buffers), and a communicator's operations run in order on one stream, so the
+# batch holding the sends cannot finish before the peers' later receives, which are queued
+# behind the peers' own batches of sends: a cycle once a segment outgrows those buffers. Until
+# the form is proven on NCCL it runs on gloo only: ``reduce_form`` refuses it elsewhere, and
+# ``"auto"`` picks it only where gloo carries the tensors (else one in-place ``reduce`` per
+# segment).
+def reduce_form(
+    impl: str, *, gloo: bool, backend: str | None = None,
+) -> Literal["alltoall", "rounds", "reduce", "allreduce"]:
+    """The reduction form ``TorchOwnerComm`` uses for ``impl`` (``"auto"``: see its rule).
+
+    ``gloo``: gloo carries the tensors; ``backend`` names the backend that does (for the error
+    raised when ``impl="rounds"`` and it is not gloo; see [Note: rounds need gloo]).
+    """
     if impl == "p2p":
         return "reduce"
+    if impl == "rounds" and not gloo:
+        raise ValueError(
+            f"reduce_impl='rounds' runs on gloo only, but these gradients travel on "
+            f"{backend or 'a backend other than gloo'!r}, where posting every send with only "
+            "the first receive can deadlock (see [Note: rounds need gloo] in "
+            "matrixfsdp/collectives/torch_backend.py); use reduce_impl='reduce' (one in-place "
+            "reduce per owner segment), 'alltoall' (one exchange: the owner receives its peers' "
+            "copies at once) or 'auto'"
+        )
     if impl in ("alltoall", "rounds", "reduce", "allreduce"):
         return impl  # type: ignore[return-value]
     return "rounds" if gloo else "reduce"
