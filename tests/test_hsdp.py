@@ -137,12 +137,16 @@ def _owned_grads_across_replicas_equal(model: nn.Module) -> None:
         assert all(torch.equal(g, gathered[0]) for g in gathered), f"{mp.fqn} grad differs"
 
 
+def _zero_output(module: nn.Module, args: object, output: torch.Tensor) -> torch.Tensor:
+    return output * 0.0  # the module takes part, its gradient is exactly zero
+
+
 def _no_presence_flags(rank: int, world: int, shape: tuple[int, int]) -> None:
-    """``replicate_presence_flags=False``: only values cross replicas. A branch used by one
-    rank of replica 0 only (its owner in replica 1 saw no gradient in its replica) gets the
-    exact global average, the same in both replicas; a branch used nowhere raises on its owners
-    (naming it, its shape and the fix) after every other gradient landed, and the next step is
-    exact again."""
+    """``replicate_presence_flags=False``: only values cross replicas, presence travels in a
+    signed zero ([Note: presence flags]). Exact in every case, the same in every replica: a branch
+    used by one rank of replica 0 only (its owner in replica 1 saw no gradient in its replica);
+    a branch used nowhere (``None`` everywhere); a branch used in replica 0 only whose gradient
+    is exactly zero (zeros, not ``None``, everywhere)."""
     ref, model = _pair()
     _wrap(model, shape, replicate_presence_flags=False)
     state = mf.get_state(model)
@@ -158,25 +162,26 @@ def _no_presence_flags(rank: int, world: int, shape: tuple[int, int]) -> None:
     assert_close_dicts(grads, reference_values(ref, "grad"), GRAD_RTOL, f"no flags {shape}")
     _owned_grads_across_replicas_equal(model)
 
-    ref.zero_grad(set_to_none=True)
-    model.zero_grad(set_to_none=True)
-    for m in (ref, model):
-        m.layers[1].use_unused = False  # layers.1.unused: no gradient on any rank
-    owner = state.params["layers.1.unused.weight"].is_owner
-    try:
+    for unused_on, zero in (((), False), ((1,), True)):
+        ref.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
+        hooks = [m.layers[1].unused.register_forward_hook(_zero_output) for m in (ref, model)
+                 if zero]
+        _reference_loss(ref, tokens, world, unused_on=unused_on).backward()
+        model.layers[1].use_unused = rank in unused_on
         lm_loss(model, local_batch(tokens, rank, world)).backward()
-    except ValueError as exc:
-        assert owner, f"rank {rank} raised for a matrix it does not own: {exc}"
-        text = str(exc)
-        assert "'layers.1.unused.weight' (shape (16, 16))" in text, text
-        assert "replicate_presence_flags=True" in text and "'layers.0.unused" not in text, text
-    else:
-        assert not owner, "the owner of a matrix used nowhere did not raise"
-    if owner:
-        assert state.params["layers.1.unused.weight"].sharded.grad is None
-        assert state.params["layers.0.unused.weight"].sharded.grad is not None or \
-            not state.params["layers.0.unused.weight"].is_owner
-    assert all(g.state.value == "sharded" for g in state.groups)
+        grads = full_values(model, "grad")
+        what = f"no flags {shape}, branch on ranks {unused_on}, zero gradient {zero}"
+        assert (grads["layers.1.unused.weight"] is None) == (not unused_on), what
+        if zero:
+            assert not grads["layers.1.unused.weight"].any(), what
+        assert_close_dicts(grads, reference_values(ref, "grad"), GRAD_RTOL, what)
+        _owned_grads_across_replicas_equal(model)
+        assert all(g.state.value == "sharded" for g in state.groups)
+        for hook in hooks:
+            hook.remove()
+    for m in (ref, model):
+        m.layers[1].use_unused = False
 
     ref.zero_grad(set_to_none=True)
     model.zero_grad(set_to_none=True)
@@ -185,7 +190,7 @@ def _no_presence_flags(rank: int, world: int, shape: tuple[int, int]) -> None:
     lm_loss(ref, tokens).backward()
     lm_loss(model, local_batch(tokens, rank, world)).backward()
     assert_close_dicts(full_values(model, "grad"), reference_values(ref, "grad"), GRAD_RTOL,
-                       f"no flags, after the error {shape}")
+                       f"no flags, next step {shape}")
 
 
 def _free_running(rank: int, world: int, shape: tuple[int, int], name: str, *,
@@ -284,6 +289,33 @@ def _accumulation(rank: int, world: int, shape: tuple[int, int],
             opt.zero_grad()
         assert_close_dicts(full_values(model), reference_values(ref), PARAM_RTOL,
                            f"accumulation {mode} {shape}")
+
+
+def _partial_sum_cleared(rank: int, world: int, shape: tuple[int, int]) -> None:
+    """A micro-batch reduced with the replicate all-reduce off leaves partial sums (the owners'
+    and FSDP2's for the tail); ``MatrixOptimizer.zero_grad`` and a skipped step drop them, so the
+    next synced backward's gradient is its own micro-batch's alone."""
+    for clear in ("zero_grad", "skipped_step"):
+        ref, model = _pair()
+        _wrap(model, shape)
+        state = mf.get_state(model)
+        opt = mf.MatrixOptimizer(model, "muon", skip_nonfinite=True)
+        mf.set_requires_all_reduce(model, False)
+        lm_loss(model, local_batch(global_batch(5), rank, world)).backward()
+        if clear == "zero_grad":
+            opt.zero_grad()
+        else:
+            norm_param = dict(model.named_parameters())["norm.weight"]
+            norm_param.grad = torch.full_like(norm_param, float("inf"))
+            opt.step()
+            assert opt.last_step_skipped
+        assert all(g._unreduced is None for g in state.groups)
+        mf.set_requires_all_reduce(model, True)
+        tokens = global_batch(6)
+        lm_loss(ref, tokens).backward()
+        lm_loss(model, local_batch(tokens, rank, world)).backward()
+        assert_close_dicts(full_values(model, "grad"), reference_values(ref, "grad"), GRAD_RTOL,
+                           f"partial sum cleared by {clear} {shape}")
 
 
 def _counted_per_dim(rank: int, world: int, shape: tuple[int, int],
@@ -559,6 +591,8 @@ def _world(rank: int, world: int, root: str) -> None:
     subtests["activation_checkpointing_2x2"] = functools.partial(
         _free_running, rank, world, (2, 2), "muon", steps=3, checkpointing=True)
     subtests["clip_2x2"] = functools.partial(_clip, rank, world, (2, 2))
+    subtests["partial_sum_cleared_2x2"] = functools.partial(_partial_sum_cleared, rank, world,
+                                                            (2, 2))
     subtests["streams_race_free_2x2"] = functools.partial(
         race_free_training, rank, world, mesh=_mesh((2, 2)), micro=2, keep_reducing=True)
     subtests["streams_checker_has_teeth_2x2"] = functools.partial(

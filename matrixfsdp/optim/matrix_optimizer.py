@@ -253,6 +253,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         discard_global_norm(self._runtime)  # a recorded norm describes the cleared gradients
+        self._runtime.discard_partial_sums()  # HSDP accumulation: they belong to these gradients
         super().zero_grad(set_to_none=set_to_none)
 
     def _nonfinite_grad_norm(self) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import logging
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -16,6 +17,8 @@ from .streams import InFlight, RuntimeStreams
 
 __all__ = ["GradHandoff", "GroupState", "MatrixGroup"]
 
+logger = logging.getLogger(__name__)
+
 
 class GroupState(enum.Enum):
     SHARDED = "sharded"  # non-owners hold no storage
@@ -26,16 +29,13 @@ class GroupState(enum.Enum):
 class GradHandoff(NamedTuple):
     """Owners' averaged gradients, computed on a side stream, not yet in ``.grad``.
 
-    ``flags[i]`` counts the ranks that had a gradient for ``params[i]`` (a device tensor: the
-    host reads every group's flags at once when gradients land, see [Note: streams]). With
-    ``flags_in_replica`` the flags count this replica's ranks only (HSDP without presence flags
-    in the replicate all-reduce, see [Note: presence flags]).
+    ``flags[i]`` is positive when some rank had a gradient for ``params[i]`` (a device tensor:
+    the host reads every group's flags at once when gradients land, see [Note: streams]).
     """
 
     params: list[MatrixParam]
     grads: list[torch.Tensor]
     flags: torch.Tensor
-    flags_in_replica: bool = False
 
 
 # [Note: presence flags]
@@ -46,14 +46,16 @@ class GradHandoff(NamedTuple):
 # zeros, the divisor is every rank).
 # Under HSDP (see [Note: HSDP mesh]) the owner's summed segment is then all-reduced over the
 # replicate group, by default flags included (``replicate_presence_flags=True``): a flag then
-# counts the ranks of every replica, and ``None`` means no rank of any replica had a gradient.
-# With ``replicate_presence_flags=False`` only the values cross replicas (the bytes of FSDP2's
-# HSDP all-reduce) and each owner knows its own replica's count. A matrix with a gradient in
-# its replica, or a nonzero summed gradient, is present somewhere: its average is exact and the
-# same in every replica. What remains, no gradient in the owner's replica and a summed gradient
-# of exactly zero, cannot tell "absent everywhere" (``None``) from "exact zeros elsewhere"
-# (a zero ``.grad``): that owner raises a ``ValueError`` instead of guessing, so replicas never
-# diverge silently.
+# counts the ranks of every replica. With ``replicate_presence_flags=False`` only the values
+# cross replicas (the bytes of FSDP2's HSDP all-reduce) and each owner knows its own replica's
+# count; presence elsewhere travels in the sign of a zero instead (the *signed-zero mark*):
+# before the all-reduce each owner writes element 0 of every matrix its replica had no
+# gradient for as -0.0 (all of that matrix's values are +0.0 then), and turns a -0.0 there into
+# +0.0 where its replica had one (the same number). IEEE addition (round to nearest) gives -0.0
+# only when every term is -0.0: any +0.0 or nonzero term, including terms that cancel, gives
+# +0.0 or a nonzero. So after the all-reduce a matrix absent from this replica is present
+# somewhere exactly when its element 0 is not -0.0; every replica reads the same sum, lands the
+# same ``.grad`` (``None`` where no rank of any replica had a gradient), and no byte is added.
 
 
 class MatrixGroup:
@@ -88,25 +90,65 @@ class MatrixGroup:
         world = comm.world_size
         self.owned_by = [[p for p in self.params if p.owner_rank == r] for r in range(world)]
         self.gather_numels = [sum(p.numel for p in owned) for owned in self.owned_by]
-        self.trainable = [p for p in self.params if p.requires_grad]
-        self.trainable_by = [[p for p in owned if p.requires_grad] for owned in self.owned_by]
-        # Each owner segment of a reduction: its matrices' values, then one flag per matrix.
-        self.value_numels = [sum(p.numel for p in owned) for owned in self.trainable_by]
-        self.reduce_numels = [v + len(owned) for v, owned in zip(self.value_numels,
-                                                                  self.trainable_by, strict=True)]
+        self._set_trainable(tuple(p.requires_grad for p in self.params))
         self.state = GroupState.SHARDED
         self._gather: InFlight[None] | None = None
-        self.begin_iteration()
+        # See [Note: backward completion] in ``state.py``.
+        self.calls_pending = 0  # forward calls whose backward through the group has not run
+        self.needs_reduce = False  # gradients may have accumulated since the last reduction
+        self.backward_running = False  # a pre-backward ran, its post-backward not yet
 
     @property
     def streams(self) -> RuntimeStreams:
         """The model's side streams, bound to this group's device (see [Note: streams])."""
         return self._streams.bind(self._device())
 
-    def begin_iteration(self) -> None:
-        """Reset this group's progress through one forward/backward (see the state's Note)."""
-        self.backwards_pending = 0  # forward calls whose backward has not completed yet
-        self.grads_reduced = False  # its reduction was issued this iteration
+    def end_backward(self, *, accumulating: bool) -> None:
+        """Forget this backward's forward calls; while ``accumulating`` (gradient sync off) the
+        local gradients stay to be reduced later (see [Note: backward completion] in
+        ``state.py``)."""
+        self.calls_pending = 0
+        self.backward_running = False
+        if not accumulating:
+            self.needs_reduce = False
+
+    # -- requires_grad ----------------------------------------------------------------------------
+    def refresh_trainable(self) -> bool:
+        """Follow ``requires_grad`` of the sharded parameters (what users freeze); True if changed.
+
+        Called outside forward/backward, before the group's next forward: a matrix frozen since
+        the last forward is computed without gradient and left out of reductions, an unfrozen one
+        trains again. The reduction layout changes with it, so a partial sum kept for the
+        replicas (HSDP accumulation) is dropped, with a warning.
+        """
+        flags = tuple(p.sharded.requires_grad for p in self.params)
+        if flags == self._trainable_flags:
+            return False
+        for p, flag in zip(self.params, flags, strict=True):
+            p.requires_grad = flag
+            p.unsharded.requires_grad_(flag)
+            if not flag:
+                p.unsharded.grad = None
+        if self._unreduced is not None:
+            logger.warning("matrixfsdp: group %r: requires_grad changed during HSDP accumulation; "
+                           "the partial gradient sum kept for the replicas is dropped", self.name)
+            self._unreduced = None
+        self._set_trainable(flags)
+        return True
+
+    def _set_trainable(self, flags: tuple[bool, ...]) -> None:
+        self._trainable_flags = flags
+        self.trainable = [p for p, flag in zip(self.params, flags, strict=True) if flag]
+        self.trainable_by = [[p for p in owned if p in self.trainable] for owned in self.owned_by]
+        # Each owner segment of a reduction: its matrices' values, then one flag per matrix.
+        self.value_numels = [sum(p.numel for p in owned) for owned in self.trainable_by]
+        self.reduce_numels = [v + len(owned) for v, owned in zip(self.value_numels,
+                                                                  self.trainable_by, strict=True)]
+
+    def discard_unreduced(self) -> bool:
+        """Drop the partial sum kept for the replicas (HSDP accumulation); True if one existed."""
+        dropped, self._unreduced = self._unreduced is not None, None
+        return dropped
 
     # -- unshard / reshard ------------------------------------------------------------------------
     def unshard(self, *, async_op: bool = False) -> None:
@@ -245,11 +287,40 @@ class MatrixGroup:
                              after=reduce.event)
 
     def _start_all_reduce(self, owned: torch.Tensor) -> tuple[Pending, Callable[[], GradHandoff]]:
-        # Without presence flags only the values cross replicas (see [Note: presence flags]).
-        crossing = (owned if self.replicate_presence_flags
-                    else owned[: self.value_numels[self.comm.rank]])
+        if self.replicate_presence_flags:
+            crossing = owned
+        else:  # only the values cross replicas, presence in a signed zero ([Note: presence flags])
+            crossing = owned[: self.value_numels[self.comm.rank]]
+            self._mark_absent(owned)
         pending = self.replicate.all_reduce(crossing, async_op=True)  # type: ignore[union-attr]
         return pending, functools.partial(self.average_owned, owned)
+
+    def _first_elements(self) -> torch.Tensor:
+        """Offsets of each owned trainable matrix's element 0 in the owned segment."""
+        mine = self.trainable_by[self.comm.rank]
+        offsets = [0]
+        for p in mine[:-1]:
+            offsets.append(offsets[-1] + p.numel)
+        return torch.tensor(offsets, dtype=torch.long, device=self._device())
+
+    def _mark_absent(self, owned: torch.Tensor) -> None:
+        """The signed-zero mark (see [Note: presence flags]), without a host synchronisation."""
+        firsts = self._first_elements()
+        if not firsts.numel():
+            return
+        values = owned[: self.value_numels[self.comm.rank]]
+        flags = owned[self.value_numels[self.comm.rank]:]
+        first = values[firsts]
+        minus_zero = torch.full_like(first, -0.0)
+        values[firsts] = torch.where(flags > 0, first + 0.0, minus_zero)
+
+    def _present_anywhere(self, owned: torch.Tensor) -> torch.Tensor:
+        """Presence after a values-only all-reduce: this replica's flag, or the signed zero."""
+        values = owned[: self.value_numels[self.comm.rank]]
+        flags = owned[self.value_numels[self.comm.rank]:].to(torch.float32)
+        first = values[self._first_elements()]
+        absent_everywhere = (first == 0) & torch.signbit(first)
+        return torch.where(flags > 0, flags, (~absent_everywhere).to(torch.float32))
 
     def average_owned(self, owned: torch.Tensor) -> GradHandoff:
         """Each owned matrix's averaged gradient from the summed segment, and its flag.
@@ -264,10 +335,11 @@ class MatrixGroup:
             # A standalone tensor: a view would keep the whole group buffer alive.
             grads.append(torch.div(values, divisor).to(p.dtype))
             start += p.numel
-        # A copy, as the gradients: the buffer can go.
-        flags = owned[start : start + len(mine)].to(torch.float32, copy=True)
-        in_replica = self.replicate is not None and not self.replicate_presence_flags
-        return GradHandoff(mine, grads, flags, flags_in_replica=in_replica)
+        if self.replicate is not None and not self.replicate_presence_flags:
+            flags = self._present_anywhere(owned)
+        else:  # a copy, as the gradients: the buffer can go
+            flags = owned[start : start + len(mine)].to(torch.float32, copy=True)
+        return GradHandoff(mine, grads, flags)
 
     # -- helpers ----------------------------------------------------------------------------------
     def _device(self) -> torch.device:
@@ -288,42 +360,20 @@ def land_grads(handoffs: Sequence[GradHandoff]) -> None:
     gradient for keep theirs (``None`` stays ``None``, as on one device).
 
     One host synchronisation for all of ``handoffs`` (their flags read at once); the caller made
-    compute wait for the streams that produced them. Where flags count one replica only and
-    a matrix has none there, its summed gradient decides (one more synchronisation each); an
-    exactly-zero one raises after every other gradient has landed (see [Note: presence flags]).
+    compute wait for the streams that produced them.
     """
     if not handoffs:
         return
     flags = torch.cat([h.flags for h in handoffs]).tolist()
-    undecidable: list[MatrixParam] = []
     i = 0
     for handoff in handoffs:
         for p, grad in zip(handoff.params, handoff.grads, strict=True):
-            present = flags[i] > 0
-            if not present and handoff.flags_in_replica:
-                present = bool(grad.ne(0).any())
-                if not present:
-                    undecidable.append(p)
-            if present:
+            if flags[i] > 0:
                 if p.sharded.grad is None:
                     p.sharded.grad = grad
                 else:
                     p.sharded.grad.add_(grad)
             i += 1
-    if undecidable:
-        raise ValueError(_undecidable_message(undecidable))
-
-
-def _undecidable_message(params: Sequence[MatrixParam]) -> str:
-    listed = ", ".join(f"{p.fqn!r} (shape {tuple(p.shape)})" for p in params)
-    return (
-        f"matrixfsdp: {listed} got no gradient on any rank of this replica and a summed gradient "
-        "of exactly zero over the replicas, so whether another replica used it cannot be told "
-        "without presence flags (replicate_presence_flags=False). Pass "
-        "fully_shard_matrix(..., replicate_presence_flags=True) (the default) for models whose "
-        "matrices can go unused in a step, or make every selected matrix take part in the loss "
-        "(or leave it out with matrix_filter, or set requires_grad=False on it)."
-    )
 
 
 def _nothing() -> None:

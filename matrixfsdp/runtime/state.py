@@ -1,36 +1,71 @@
 """The per-model runtime: hooks that drive every group through forward and backward.
 
 [Note: one step of the matrix runtime]
-- Root forward-pre: a new iteration starts (unless we are inside backward). Work left over from
-  an iteration that stopped early (a prefix evaluation, an exception mid-forward, a forward with no
-  backward) is retired first: see ``quiesce``.
-- Group forward-pre: gather the group's matrices from their owners (owner-segment all-gather-v),
-  or finish the gather prefetched for it; swap the unsharded leaves into the modules, and wrap the
-  inputs that require grad in ``_PostBackward`` (an identity whose backward marks the group's
-  backward as done). With prefetch on, the next group's gather is issued now, asynchronously.
+- Root forward-pre (outside backward): work left over from a forward that stopped early (a prefix
+  evaluation, an exception mid-forward, a forward with no backward) is retired first: see
+  ``quiesce``. Nothing else is reset: several forwards may precede one backward.
+- Group forward-pre: follow ``requires_grad`` changes of the matrices (see
+  ``MatrixGroup.refresh_trainable``); gather the group's matrices from their owners
+  (owner-segment all-gather-v), or finish the gather prefetched for it; swap the unsharded leaves
+  into the modules; with grad enabled, wrap the inputs that require grad in ``_PostBackward`` (an
+  identity whose backward marks this call's backward through the group as done). With prefetch
+  on, the next group's gather is issued now, asynchronously.
 - Group forward-post: swap the sharded parameters back; reshard (free non-owned storage) when
   ``reshard_after_forward`` or when grad is off; register pre-backward hooks on the outputs.
 - Pre-backward (first gradient reaching a group's output): gather again if resharded (and prefetch
-  the group that ran before it); the first one in a backward queues the end-of-backward callback.
-- Post-backward (gradient reaching the group's inputs): the autograd engine runs every
-  AccumulateGrad node as soon as it is ready (highest priority), so all of the group's parameter
-  gradients are in place; complete the previous group's reduction (its owners' averaged
-  gradients are computed and its buffers freed; under HSDP its owners' all-reduce over the
-  replicate group starts instead, and the one before it completes), pack this group's gradients
-  and start their reduction to the owners (async), and reshard. This event happens at the same point of the backward on every
-  rank, also when some matrix got no gradient on some rank, so every rank issues the same
-  collectives in the same order.
-- End of backward: reduce groups whose post-backward never fired (their inputs needed no grad),
-  in registration order; retire all pending work; land the owners' gradients in ``.grad`` (one
-  host synchronisation for all groups' presence flags); reshard everything. Which stream each
-  step runs on: [Note: streams].
-Activation-checkpoint recomputation re-enters the forward hooks inside backward; they then only
-swap parameters (``torch._C._current_graph_task_id() != -1`` tells us we are in backward).
+  the group that ran before it) and swap the unsharded leaves in until the group's post-backward
+  (checkpointing that wraps ``forward`` itself, as Hugging Face's does, recomputes without the
+  module's hooks); the first hook of a backward queues the end-of-backward callback.
+- Post-backward (gradient reaching the group's inputs of one call): the group is resharded; when
+  no other call's backward is pending, its reduction starts (see [Note: backward completion]):
+  complete the previous group's reduction (its owners' averaged gradients are computed and its
+  buffers freed; under HSDP its owners' all-reduce over the replicate group starts instead, and
+  the one before it completes), pack this group's gradients and start their reduction to the
+  owners (async). This event happens at the same point of the backward on every rank, also when
+  some matrix got no gradient on some rank, so every rank issues the same collectives in the
+  same order.
+- End of backward: reduce the groups that may hold gradients not reduced yet, in registration
+  order; retire all pending work; land the owners' gradients in ``.grad`` (one host
+  synchronisation for all groups' presence flags); reshard everything. Which stream each step
+  runs on: [Note: streams].
+Activation-checkpoint recomputation re-enters the forward hooks inside backward
+(``torch._C._current_graph_task_id() != -1``); see [Note: backward completion].
 In-flight collectives live in one ``WorkQueue`` (see [Note: pending work]): at most one
 prefetched gather, one reduction and (HSDP) one replicate all-reduce. So at most two groups are
 gathered at once (the one computing and the prefetched one), and at most one group's reduction
 buffers exist at any moment: the previous group's are retired before the next group packs its
 gradients (an all-reduce in flight holds only one owner's segment).
+
+[Note: backward completion]
+A group's gradients may be reduced as soon as every backward that adds to them has run, and the
+decision must fall at the same point of the backward on every rank (collectives match by order).
+Autograd sums every use of a leaf (two forwards, a block called twice) in one AccumulateGrad node
+that runs at the highest priority once its last contribution is in, so when the last pending
+call's ``_PostBackward`` of a group has run, its leaves hold their gradients. Per group:
+- ``calls_pending`` counts forward calls with grad whose ``_PostBackward`` has not run; the one
+  that brings it to zero reduces (if ``needs_reduce``). Every call's post-backward reshards, so
+  k forwards before one backward still gather at most two groups at a time (a later call's
+  backward gathers again).
+- ``needs_reduce`` marks gradients that may have accumulated since the group's last reduction:
+  set by a forward with grad, a recomputation and a pre-backward; cleared by a reduction.
+- Reductions are linear and landing adds into ``.grad``, so reducing a group twice in one backward
+  (reentrant checkpointing of two forwards, ``retain_graph`` backwards, a callback that came
+  early) gives the same gradient as reducing once.
+- Reentrant activation checkpointing runs the forward under ``no_grad`` (no call is counted) and
+  recomputes inside backward, in the outer backward's graph task, then runs a nested backward.
+  The recomputation queues the outer end-of-backward callback and, having no pending call,
+  registers one (its inputs are fresh leaves that require grad), so the nested backward's
+  post-backward reduces and reshards the group. A non-reentrant recomputation happens while the
+  forward's call is still pending, so it registers none.
+- A recomputed group whose backward has not started (``backward_running``: between its
+  pre-backward and post-backward) is *parked*: it stays gathered, with pre-backward hooks on the
+  recomputation's outputs, until another group is gathered, which reshards it first. A block's
+  own recomputation is followed by its backward at once (no second gather); a recomputation of
+  the whole model gathers one group after another, and each is gathered again by its backward.
+- The end-of-backward callback reduces every group with ``needs_reduce`` (the same set on every
+  rank: it follows which groups ran, not which gradients exist), then forgets the calls: a
+  forward whose graph was dropped without backward cannot hold back later reductions. With
+  gradient sync off (accumulation), ``needs_reduce`` survives until a synced backward.
 """
 
 from __future__ import annotations
@@ -53,6 +88,7 @@ from .matrix_param import MatrixParam
 from .mesh import DataParallelMesh
 from .pending import PendingWork, WorkKind, WorkQueue
 from .streams import InFlight, RuntimeStreams
+from .tail import discard_tail_partial_sums, reset_finished_fsdp_state, reshard_tail
 
 __all__ = ["DEFAULT_IN_FLIGHT", "MatrixFSDPState", "in_backward"]
 
@@ -117,14 +153,19 @@ class MatrixFSDPState:
         self._landing: list[tuple[GradHandoff, Any]] = []
         self._fsdp_modules: list[FSDPModule] | None = None  # found on first quiesce()
         self._last_forward_order: list[MatrixGroup] = []
-        self._reset_iteration()
+        self._forward_order: list[MatrixGroup] = []
+        self._end_backward()
 
     # -- iteration bookkeeping --------------------------------------------------------------------
-    def _reset_iteration(self) -> None:
+    def _end_backward(self) -> None:
+        """Forget this backward's forward calls (see [Note: backward completion])."""
+        if self._forward_order:
+            self._last_forward_order = self._forward_order
         self._forward_order: list[MatrixGroup] = []
+        self._parked: list[MatrixGroup] = []  # recomputed, gathered, backward not started
         self._callback_queued = False
         for group in self.groups:
-            group.begin_iteration()
+            group.end_backward(accumulating=not self.requires_grad_sync)
 
     def _neighbor(self, order: Sequence[MatrixGroup], group: MatrixGroup, step: int) -> MatrixGroup | None:
         """The group ``step`` places after ``group`` in ``order`` (None at either end)."""
@@ -137,6 +178,10 @@ class MatrixFSDPState:
     # -- hook registration ------------------------------------------------------------------------
     def register_hooks(self) -> None:
         self.root.register_forward_pre_hook(self._root_pre_forward, prepend=True)
+        self.root.register_forward_hook(self._root_post_forward)  # after FSDP2's
+        for module in self.root.modules():  # before FSDP2's own pre-forward hooks
+            if isinstance(module, FSDPModule):
+                module.register_forward_pre_hook(_before_fsdp_pre_forward, prepend=True)
         for group in self.groups:
             module = group.module
             module.register_forward_pre_hook(
@@ -150,11 +195,14 @@ class MatrixFSDPState:
         work = self.queue.take(WorkKind.GATHER, group)
         if work is not None:
             work.finish()
+        elif group.state is GroupState.SHARDED:
+            self._evict_parked(group)
         group.unshard()  # no-op unless still sharded
 
     def _prefetch(self, group: MatrixGroup) -> None:
         if group.state is not GroupState.SHARDED:
             return
+        self._evict_parked(group)
         self.queue.make_room(WorkKind.GATHER)
         group.unshard(async_op=True)
         self.queue.push(PendingWork(WorkKind.GATHER, group, finish=group.wait_unshard,
@@ -165,19 +213,39 @@ class MatrixFSDPState:
         if work is not None:
             work.drop()
         group.reshard()
+        group.use_sharded()
+
+    def _evict_parked(self, keep: MatrixGroup) -> None:
+        """Reshard recomputed groups whose backward has not started (see [Note: backward
+        completion]) before another group is gathered; their pre-backward gathers them again."""
+        parked, self._parked = self._parked, []
+        for group in parked:
+            if group is keep or group.backward_running:
+                continue
+            self._reshard(group)
 
     # -- forward ----------------------------------------------------------------------------------
     def _root_pre_forward(self, module: nn.Module, args: object) -> None:
-        if not in_backward():
-            if self._forward_order:
-                self._last_forward_order = self._forward_order
-            self.retire_pending()
-            self._reset_iteration()
+        if in_backward():  # a recomputation (activation checkpointing around the whole model)
+            self._queue_final_callback()
+            return
+        self.retire_pending()
+        self._reshard_tail()  # a forward that had no backward may have left it unsharded
+        if self._forward_order:  # a new forward: its groups are recorded again
+            self._last_forward_order, self._forward_order = self._forward_order, []
+
+    def _root_post_forward(self, module: nn.Module, args: object, output: object) -> None:
+        if not torch.is_grad_enabled() and not in_backward():
+            self._reshard_tail()  # no backward follows (see [Note: the tail after forward])
 
     def _pre_forward(
         self, group: MatrixGroup, module: nn.Module, args: tuple, kwargs: dict
     ) -> tuple[tuple, dict]:
         recompute = in_backward()
+        if recompute:
+            self._queue_final_callback()
+        else:
+            group.refresh_trainable()
         with comm_phase(Phase.BACKWARD if recompute else Phase.FORWARD):
             self._unshard(group)
             if self.prefetch and not recompute:
@@ -185,7 +253,11 @@ class MatrixFSDPState:
                 if nxt is not None:
                     self._prefetch(nxt)
         group.use_unsharded()
-        if recompute or not torch.is_grad_enabled() or not group.trainable:
+        if not torch.is_grad_enabled():
+            return args, kwargs
+        if group.trainable:
+            group.needs_reduce = True
+        if recompute and group.calls_pending > 0:  # non-reentrant: the forward's call is pending
             return args, kwargs
         return self._register_post_backward(group, args, kwargs)
 
@@ -194,7 +266,7 @@ class MatrixFSDPState:
         index = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not index:
             return args, kwargs
-        group.backwards_pending += 1
+        group.calls_pending += 1
         wrapped = _PostBackward.apply(functools.partial(self._post_backward, group),
                                       *(flat[i] for i in index))
         for i, tensor in zip(index, wrapped, strict=True):
@@ -204,42 +276,55 @@ class MatrixFSDPState:
     def _post_forward(
         self, group: MatrixGroup, module: nn.Module, args: object, output: object
     ) -> object:
-        group.use_sharded()
-        if in_backward():  # activation-checkpoint recomputation
+        if in_backward():  # a recomputation (see [Note: backward completion])
+            if not group.backward_running:
+                group.use_sharded()
+                self._parked.append(group)
+                self._register_pre_backward(group, output)
             return output
+        group.use_sharded()
         if group not in self._forward_order:
             self._forward_order.append(group)
         if self.reshard_after_forward or not torch.is_grad_enabled():
             self._reshard(group)
+        self._register_pre_backward(group, output)
+        return output
+
+    def _register_pre_backward(self, group: MatrixGroup, output: object) -> None:
         if torch.is_grad_enabled():
             for tensor in tree_flatten(output)[0]:
                 if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
                     tensor.register_hook(functools.partial(self._pre_backward, group))
-        return output
 
     # -- backward ---------------------------------------------------------------------------------
     def _pre_backward(self, group: MatrixGroup, grad: torch.Tensor) -> None:
         self._queue_final_callback()
+        group.backward_running = True
+        if group.trainable:
+            group.needs_reduce = True
         with comm_phase(Phase.BACKWARD):
             self._unshard(group)
+            group.use_unsharded()  # a recomputation that bypasses module hooks computes with them
             if self.prefetch:
-                previous = self._neighbor(self._forward_order, group, -1)
-                if previous is not None and not previous.grads_reduced:
+                order = self._forward_order or self._last_forward_order
+                previous = self._neighbor(order, group, -1)
+                if previous is not None and previous.calls_pending > 0:
                     self._prefetch(previous)
 
     def _post_backward(self, group: MatrixGroup) -> None:
-        group.backwards_pending -= 1
-        if group.backwards_pending > 0:  # the module ran more than once: wait for its last backward
-            return
-        if self.requires_grad_sync:
+        """One forward call's backward through ``group`` has run (see [Note: backward completion])."""
+        self._queue_final_callback()
+        group.backward_running = False
+        group.calls_pending = max(group.calls_pending - 1, 0)
+        if group.calls_pending == 0 and self.requires_grad_sync:
             with comm_phase(Phase.BACKWARD):
                 self._reduce(group)
-        self._reshard(group)  # its backward is complete: free non-owned storage now
+        self._reshard(group)  # free non-owned storage now; another call's backward regathers
 
     def _reduce(self, group: MatrixGroup) -> None:
-        if group.grads_reduced or not group.trainable:
+        if not group.needs_reduce or not group.trainable:
             return
-        group.grads_reduced = True
+        group.needs_reduce = False
         # Retire the previous reduction first (its owners' gradients land, its buffers go), so
         # that this group's buffers are allocated only after those are freed.
         self.queue.make_room(WorkKind.REDUCE)
@@ -287,12 +372,11 @@ class MatrixFSDPState:
                     for group in self.groups:  # registration order: the same on every rank
                         self._reduce(group)
                 self._drain()
-        finally:  # also when landing raised (see [Note: presence flags]): leave no gathered copy
+        finally:  # also when landing raised: leave no gathered copy behind
             for group in self.groups:
                 group.reshard()
                 group.use_sharded()
-            self._last_forward_order = self._forward_order
-            self._reset_iteration()
+            self._end_backward()
 
     # -- control ----------------------------------------------------------------------------------
     def retire_pending(self) -> None:
@@ -314,10 +398,25 @@ class MatrixFSDPState:
         if in_backward():
             raise RuntimeError("matrixfsdp: quiesce() cannot run inside backward")
         self.retire_pending()
+        self._reshard_tail()
+
+    def _find_fsdp_modules(self) -> list[FSDPModule]:
         if self._fsdp_modules is None:
             self._fsdp_modules = [m for m in self.root.modules() if isinstance(m, FSDPModule)]
-        for module in self._fsdp_modules:
-            _reshard_tail(module)
+        return self._fsdp_modules
+
+    def _reshard_tail(self) -> None:
+        for module in self._find_fsdp_modules():
+            reshard_tail(module)
+
+    def discard_partial_sums(self) -> bool:
+        """Drop the owners' partial sums kept for the replicas (HSDP accumulation with
+        ``set_requires_all_reduce(False)``); True if any existed. Called when gradients are
+        cleared (``MatrixOptimizer.zero_grad``, a skipped step): a partial sum belongs to the
+        gradients it was reduced from."""
+        dropped = [group.discard_unreduced() for group in self.groups]
+        dropped += [discard_tail_partial_sums(m) for m in self._find_fsdp_modules()]
+        return any(dropped)
 
     @property
     def mesh_shape(self) -> tuple[int, int]:
@@ -334,21 +433,6 @@ class MatrixFSDPState:
         return sum(g.resident_bytes() for g in self.groups)
 
 
-def _reshard_tail(module: FSDPModule) -> None:
-    """Register FSDP2's sharded parameters again, whatever state a forward left them in.
-
-    ``FSDPModule.reshard()`` keeps a ``reshard_after_forward=False`` group (the root's) unsharded
-    while its forward has not completed, e.g. after an exception mid-forward; its next forward
-    would then compute with the stale unsharded copy. FSDP2's own state-dict hooks reshard with
-    ``_to_sharded()``; do the same where it exists.
-    """
-    module.reshard()
-    state = module._get_fsdp_state()
-    groups = getattr(state, "_fsdp_param_groups", None)
-    if groups is None:  # older FSDP2: one group per state
-        group = getattr(state, "_fsdp_param_group", None)
-        groups = [group] if group is not None else []
-    for group in groups:
-        to_sharded = getattr(group, "_to_sharded", None)
-        if to_sharded is not None:
-            to_sharded()
+def _before_fsdp_pre_forward(module: nn.Module, args: object) -> None:
+    if in_backward():  # a recomputation (see [Note: FSDP2 and reentrant recomputation])
+        reset_finished_fsdp_state(module)

@@ -1,0 +1,89 @@
+"""How the runtime drives FSDP2, which owns the tail: resharding it, and recomputation.
+
+[Note: FSDP2 and reentrant recomputation]
+FSDP2 keeps a module's state in ``PRE_BACKWARD`` from its first pre-backward until the
+end-of-backward callback, and a forward that starts in that state is taken for the recomputation
+of non-reentrant activation checkpointing: it only unshards (no post-backward hook, no
+pre-backward hooks, no reshard), because the pending backward of the original forward reduces.
+Reentrant checkpointing recomputes a module once per forward call, each time followed by its own
+nested backward; from the second recomputation of a module in one backward on (two forwards
+before one backward, a block called twice), FSDP2 therefore registers nothing, the nested
+backward's gradients stay on the unsharded parameters, and the module ends the backward
+unsharded with unreduced gradients. Before FSDP2's own pre-forward hook, the runtime returns such
+a state to ``IDLE`` when every parameter group of it has finished its post-backward (so no
+backward of this module is pending): the recomputation then registers FSDP2's hooks as a forward
+does, and its reduction adds to the gradient of the first, exactly. A non-reentrant
+recomputation always runs while the module's backward is pending (a group in ``PRE_BACKWARD``)
+and is left alone. FSDP2 internals are read defensively: where they differ, nothing changes.
+
+[Note: the tail after forward]
+FSDP2 does not reshard the root's parameters after forward (``reshard_after_forward=False``, the
+backward that follows needs them). After a forward that no backward follows (evaluation under
+``no_grad``, ``inference_mode``, or with grad on and the graph dropped) the root keeps that
+gathered copy, and an optimizer step then updates the sharded parameters behind it: FSDP2's next
+forward would compute with the stale copy (measured on torch 2.13: a ``no_grad`` forward between
+backward and step moved the parameters 10% off a single process after 3 SGD steps). The runtime
+reshards the tail after every root forward run without grad, and again before every root forward
+(which then gathers fresh values); resharding an already sharded module is free.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+__all__ = ["discard_tail_partial_sums", "reset_finished_fsdp_state", "reshard_tail"]
+
+try:  # the enum of FSDP2's training states (torch >= 2.4)
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+except ImportError:  # pragma: no cover - other torch layouts: the reset is skipped
+    TrainingState = None  # type: ignore[assignment,misc]
+
+
+def _param_groups(state: Any) -> list[Any]:
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:  # older FSDP2: one group per state
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [group] if group is not None else []
+    return list(groups)
+
+
+def reshard_tail(module: FSDPModule) -> None:
+    """Register FSDP2's sharded parameters again, whatever state a forward left them in.
+
+    ``FSDPModule.reshard()`` keeps a ``reshard_after_forward=False`` group (the root's) unsharded
+    while its forward has not completed, e.g. after an exception mid-forward; its next forward
+    would then compute with the stale unsharded copy. FSDP2's own state-dict hooks reshard with
+    ``_to_sharded()``; do the same where it exists.
+    """
+    module.reshard()
+    for group in _param_groups(module._get_fsdp_state()):
+        to_sharded = getattr(group, "_to_sharded", None)
+        if to_sharded is not None:
+            to_sharded()
+
+
+def reset_finished_fsdp_state(module: nn.Module) -> None:
+    """Before FSDP2's pre-forward of a recomputation: see [Note: FSDP2 and reentrant
+    recomputation]."""
+    if TrainingState is None or not isinstance(module, FSDPModule):
+        return
+    state = module._get_fsdp_state()
+    groups = _param_groups(state)
+    if (getattr(state, "_training_state", None) is TrainingState.PRE_BACKWARD and groups
+            and all(getattr(g, "_training_state", None) is TrainingState.POST_BACKWARD
+                    for g in groups)):
+        state._training_state = TrainingState.IDLE
+
+
+def discard_tail_partial_sums(module: FSDPModule) -> bool:
+    """Drop FSDP2's HSDP partial reduce-scatter outputs kept while ``set_requires_all_reduce`` was
+    off (FSDP2 itself keeps them across ``zero_grad``); True if one existed."""
+    dropped = False
+    for group in _param_groups(module._get_fsdp_state()):
+        if getattr(group, "_partial_reduce_output", None) is not None:
+            group._partial_reduce_output = None
+            dropped = True
+    return dropped
