@@ -35,6 +35,7 @@ from .runtime.selection import (
     report_selection,
     select_params,
 )
+from .runtime.state_dict_view import install_state_dict_view
 
 __all__ = [
     "clip_grad_norm_",
@@ -351,6 +352,10 @@ def _register_refresh_hooks(model: nn.Module, state: MatrixFSDPState) -> None:
     As FSDP2 does, the runtime refreshes what it caches right after ``nn.Module._apply`` (which
     may replace a module's parameter objects, e.g. ``to_empty`` from ``meta``) and after
     ``load_state_dict`` (``assign=True`` replaces them); both first retire pending collectives.
+
+    ``state_dict()`` shows matrices as FSDP2-style ``Shard(0)`` DTensors scattered from their
+    owners (so it is collective), and ``load_state_dict`` takes those, full tensors or owner-view
+    dicts (see [Note: state-dict view] in ``runtime/state_dict_view.py``).
     """
     by_module: dict[int, tuple[nn.Module, list[MatrixParam]]] = {}
     for mp in state.params.values():
@@ -367,6 +372,9 @@ def _register_refresh_hooks(model: nn.Module, state: MatrixFSDPState) -> None:
     model._register_load_state_dict_pre_hook(
         lambda *args, **kwargs: _quiesce_outside_backward(state)
     )
+    # Matrices as FSDP2-style Shard(0) DTensors in state_dict()/load_state_dict(), for torch's
+    # state-dict API and DCP (see [Note: state-dict view]); registered after the quiesce hooks.
+    install_state_dict_view(model, state)
 
 
 def _quiesce_outside_backward(state: MatrixFSDPState) -> None:

@@ -25,6 +25,7 @@ from matrixfsdp.memory import LiveBytesTracker, matrix_memory
 from matrixfsdp.runtime import GroupState
 from matrixfsdp.runtime.pending import WorkKind
 from matrixfsdp.runtime.state import DEFAULT_IN_FLIGHT
+from matrixfsdp.runtime.state_dict_view import owner_view
 
 from .checks import full_values
 from .dist_utils import run_subtests, run_world
@@ -363,7 +364,10 @@ def _assign_load(rank: int, world: int) -> None:
     torch.manual_seed(1)
     model = mf.fully_shard_matrix(TinyTransformer())
     state = mf.get_state(model)
-    sd = {k: v.detach().clone() for k, v in source.state_dict().items()}
+    # The owner view (whole matrices on owners, placeholders elsewhere), so that assign=True
+    # can adopt the owner's tensors without a copy (state_dict() gives matrix DTensors).
+    with owner_view(mf.get_state(source)):
+        sd = {k: v.detach().clone() for k, v in source.state_dict().items()}
     model.load_state_dict(sd, assign=True)
     named = dict(model.named_parameters())
     for fqn, mp in state.params.items():

@@ -6,7 +6,9 @@
   owner alone. Non-owners omit the key: an empty placeholder would break DCP's planning, and a
   plain tensor under one key with different values on different ranks would be silently
   deduplicated. Under HSDP only replica 0's owners write matrices (the other replicas hold the
-  same values and take part in the collective without matrix keys): written once.
+  same values and take part in the collective without matrix keys): written once. Matrices
+  are read in the owner view of ``model.state_dict()`` (see [Note: state-dict view]), not as
+  the matrix DTensors torch's state-dict API gets.
 - ``optim.state.<fqn>.<key>``: optimizer state. A matrix's state is written by its owner (plain
   tensors); the tail's by every rank (DTensor shards plus replicated scalars such as ``step``).
   State keys must not contain ``.`` so ``<fqn>`` and ``<key>`` split unambiguously.
@@ -29,6 +31,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.tensor import DTensor, Shard
 
 from ..runtime import MatrixFSDPState
+from ..runtime.state_dict_view import owner_state_dict
 from .layout import (
     GroupLayout,
     OptimizerLayout,
@@ -80,7 +83,7 @@ def model_entries(model: nn.Module, runtime: MatrixFSDPState) -> list[TensorEntr
     buffers = {name for name, _ in model.named_buffers()}
     stacks = {p.fqn for p in runtime.plan.sharded_stacks}
     entries = []
-    for key, value in model.state_dict().items():
+    for key, value in owner_state_dict(model, runtime).items():
         mp = runtime.params.get(key)
         if mp is not None:
             entries.append(TensorEntry(fqn=key, shape=tuple(mp.shape), dtype=dtype_name(mp.dtype),
@@ -100,7 +103,7 @@ def model_entries(model: nn.Module, runtime: MatrixFSDPState) -> list[TensorEntr
 def model_state(model: nn.Module, runtime: MatrixFSDPState) -> dict[str, torch.Tensor]:
     """This rank's model tensors for DCP: tail shards, buffers, and the matrices it owns."""
     out: dict[str, torch.Tensor] = {}
-    for key, value in model.state_dict().items():
+    for key, value in owner_state_dict(model, runtime).items():
         mp = runtime.params.get(key)
         if mp is not None and not writes_matrix(runtime, key):
             continue  # its owner in replica 0 writes it
@@ -179,7 +182,7 @@ def model_targets(
     """The model tensors this rank fills in place: tail shards, buffers, owned matrices."""
     wanted = set(fqns)
     targets = {}
-    for key, value in model.state_dict().items():
+    for key, value in owner_state_dict(model, runtime).items():
         if key not in wanted:
             continue
         mp = runtime.params.get(key)

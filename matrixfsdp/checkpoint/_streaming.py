@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from ..runtime import MatrixFSDPState
+from ..runtime.state_dict_view import owner_state_dict
 from .sources import Index, TensorSource
 
 __all__ = ["TensorRead", "alias_groups", "copy_reads", "local_index", "plan_reads"]
@@ -81,7 +82,7 @@ def plan_reads(
 ) -> list[TensorRead]:
     """This rank's reads for ``sources`` (model key -> source key); see the Note."""
     reads = []
-    for key, target in model.state_dict().items():
+    for key, target in owner_state_dict(model, runtime).items():
         source_key = sources.get(key)
         if source_key is None:
             continue

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from ..api import get_state
 from ..runtime import MatrixFSDPState
+from ..runtime.state_dict_view import owner_state_dict
 from ._compat import names
 from ._dist import dcp_errors
 from ._statedict import mesh_group, model_targets
@@ -105,7 +106,7 @@ class _Wanted(NamedTuple):
 def _model_entries(model: nn.Module, runtime: MatrixFSDPState) -> dict[str, _Wanted]:
     """Every state-dict key of the wrapped model with its global shape and dtype."""
     out = {}
-    for key, value in model.state_dict().items():
+    for key, value in owner_state_dict(model, runtime).items():
         mp = runtime.params.get(key)
         if mp is not None:
             out[key] = _Wanted(tuple(mp.shape), mp.dtype)

@@ -28,6 +28,7 @@ from torch.profiler import record_function
 from ..api import get_state, global_grad_norm
 from ..collectives import Phase, comm_phase
 from ..nonfinite import discard_global_norm, take_global_norm
+from ..runtime.optim_state_view import install_optimizer_state_view
 from .layouts import MatrixLayout, SplitSpec, resolve_split
 from .offload import StatePlacement, make_state_placement
 from .owner_step import OwnedMatrix, batch_owned, init_owned_state, local, owned_blocks, step_owned
@@ -166,6 +167,9 @@ class MatrixOptimizer(torch.optim.Optimizer):
         self.last_step_skipped = False
         self._runtime = runtime
         self._link_inner()
+        # state_dict()/load_state_dict() show every matrix's state on every rank, as matrix
+        # DTensors, and a load keeps the state's dtypes (see [Note: optimizer state-dict view]).
+        install_optimizer_state_view(self, keep_dtypes=True)
 
     def _link_inner(self) -> None:
         """Point the inner optimizers at this optimizer's state and group dicts (one truth)."""
@@ -225,7 +229,16 @@ class MatrixOptimizer(torch.optim.Optimizer):
                 "optimizer": base["optimizer"], "matrix_kwargs": kwargs,
                 "split": group.get("split", base.get("split") or {})}
 
+    def state_dict(self) -> dict[str, Any]:
+        """torch's state dict with every matrix's state on every rank, as matrix DTensors
+        scattered from the owner (``step`` plain): collective over the model's mesh, like
+        ``model.state_dict()`` (see [Note: optimizer state-dict view])."""
+        return super().state_dict()
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's load, through the hooks of [Note: optimizer state-dict view]: takes this
+        optimizer's ``state_dict()`` (matrix DTensors), a full one, or an owner-only one, and
+        keeps the loaded state's dtypes. Collective when the state holds DTensors."""
         super().load_state_dict(state_dict)
         self._config_cache = None
         self._link_inner()
