@@ -72,7 +72,12 @@ def fully_shard_matrix(
     Args:
         model: the plain (unwrapped) model, on the mesh's device type or wholly on ``meta``
             (then call ``model.to_empty(device=...)`` and initialize after wrapping: each rank
-            allocates only its owned matrices and tail shards).
+            allocates only its owned matrices and tail shards). Initialize on every rank with
+            one seed (``torch.manual_seed(s)``, then ``reset_parameters()``, ``init_weights()``,
+            ``nn.init.*(w)``, ``w.data.normal_()``, ...) before the first forward: each owner
+            draws each of its matrices whole from the matrix's own stream, seeded from ``s`` and
+            the matrix's FQN, so no two matrices are equal and every matrix gets the same values
+            at every world size (see [Note: matrix init RNG] in ``runtime/init_rng.py``).
         mesh: a 1-D ``DeviceMesh`` (flat owner sharding over all its ranks) or a 2-D one for
             HSDP, as FSDP2 takes it: dim 0 replicates, dim 1 shards (build it with
             ``init_device_mesh(device, (replicas, ranks_per_replica), mesh_dim_names=
@@ -352,6 +357,8 @@ def _register_refresh_hooks(model: nn.Module, state: MatrixFSDPState) -> None:
     As FSDP2 does, the runtime refreshes what it caches right after ``nn.Module._apply`` (which
     may replace a module's parameter objects, e.g. ``to_empty`` from ``meta``) and after
     ``load_state_dict`` (``assign=True`` replaces them); both first retire pending collectives.
+    An ``_apply`` that materializes an owner's matrix from ``meta`` opens its init window (see
+    [Note: matrix init RNG] in ``runtime/init_rng.py``).
 
     ``state_dict()`` shows matrices as FSDP2-style ``Shard(0)`` DTensors scattered from their
     owners (so it is collective), and ``load_state_dict`` takes those, full tensors or owner-view
@@ -385,10 +392,13 @@ def _quiesce_outside_backward(state: MatrixFSDPState) -> None:
 def _apply_and_refresh(state: MatrixFSDPState, original: Callable[..., nn.Module],
                        params: Sequence[MatrixParam], fn: Callable, *args: object,
                        **kwargs: object) -> nn.Module:
+    from .runtime.init_rng import init_window_across_apply
+
     state.retire_pending()  # FSDP2's own _apply reshards the tail
-    out = original(fn, *args, **kwargs)
-    for mp in params:
-        mp.refresh()
+    with init_window_across_apply(params):  # to_empty from meta opens the init window
+        out = original(fn, *args, **kwargs)
+        for mp in params:
+            mp.refresh()
     return out
 
 

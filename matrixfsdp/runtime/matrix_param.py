@@ -20,14 +20,20 @@
   and other ``nn.Module._apply`` conversions, ``load_state_dict(..., assign=True)``. ``refresh()``
   adopts the new tensor (checking its shape) and rebuilds ``unsharded`` on its device and dtype,
   re-pinning the owner's storage; the runtime calls it right after each such operation.
+- From ``to_empty`` until the first forward or ``quiesce()``, an owner's ``sharded`` parameter is
+  in its *init window*: its class is ``_InitParam`` and ``init_rng`` holds its init stream (see
+  [Note: matrix init RNG] in ``runtime/init_rng.py``).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
 from torch import nn
+
+from .init_rng import MatrixInitRng, end_init_window
 
 __all__ = ["MatrixParam"]
 
@@ -54,6 +60,7 @@ class MatrixParam:
         self.shape = param.shape
         self.numel = math.prod(param.shape)
         self._mp_dtype = compute_dtype
+        self.init_rng: MatrixInitRng | None = None  # set while the init window is open
         if self.is_owner:
             # The original storage becomes the owner's shard: nothing is copied.
             self.sharded = param
@@ -154,6 +161,12 @@ class MatrixParam:
         if self._pins:
             return sharded
         return sharded + self.unsharded.untyped_storage().nbytes()
+
+    @staticmethod
+    def end_init_window(params: Iterable[MatrixParam]) -> None:
+        """Close the init windows of ``params`` (see [Note: matrix init RNG]); cheap when none
+        is open, so the runtime calls it at every root forward."""
+        end_init_window(params)
 
     # -- module view ------------------------------------------------------------------------------
     def use_unsharded(self) -> None:

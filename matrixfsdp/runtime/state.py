@@ -226,6 +226,7 @@ class MatrixFSDPState:
 
     # -- forward ----------------------------------------------------------------------------------
     def _root_pre_forward(self, module: nn.Module, args: object) -> None:
+        MatrixParam.end_init_window(self.params.values())  # [Note: matrix init RNG]
         if in_backward():  # a recomputation (activation checkpointing around the whole model)
             self._queue_final_callback()
             return
@@ -397,6 +398,7 @@ class MatrixFSDPState:
         """
         if in_backward():
             raise RuntimeError("matrixfsdp: quiesce() cannot run inside backward")
+        MatrixParam.end_init_window(self.params.values())  # [Note: matrix init RNG]
         self.retire_pending()
         self._reshard_tail()
 
