@@ -12,8 +12,10 @@
   storage, freed with ``untyped_storage().resize_(0)`` and revived with ``resize_(nbytes)``, which
   keeps tensors that autograd saved for backward valid.
 - A full-shaped tensor whose storage is freed must never be read, so the module only holds
-  ``unsharded`` between the group's forward-pre and forward-post hooks; at any other time
-  ``module._parameters[name]`` is ``sharded``.
+  ``unsharded`` while the group is gathered to compute: between the group's forward-pre and
+  forward-post hooks, and from its pre-backward to its post-backward (a recomputation that
+  bypasses the module's hooks computes with it); at any other time ``module._parameters[name]``
+  is ``sharded``.
 - Incoming data is written through ``.data`` so autograd's version counter of the leaf (which
   may be saved for backward) is not bumped.
 - The module's registered ``sharded`` tensor may be replaced from outside: ``model.to_empty()``
