@@ -23,7 +23,8 @@ STRATEGIES: tuple[str, ...] = (
     "fsdp2_adamw", "matrixfsdp_hsdp", "distmuon", "distmuon_hsdp",
 )
 # Variants run only when named (``--strategies ...``): forms the default "auto" does not pick.
-EXTRA_STRATEGIES: tuple[str, ...] = ("matrixfsdp_xreduce", "matrixfsdp_noflags_hsdp")
+EXTRA_STRATEGIES: tuple[str, ...] = ("matrixfsdp_xreduce", "matrixfsdp_noflags_hsdp",
+                                     "matrixfsdp_bcast")
 STRATEGY_LABELS: dict[str, str] = {
     "ddp": "DDP + matrix opt",
     "fsdp2_recon": "FSDP2 + reconstruction",
@@ -32,6 +33,7 @@ STRATEGY_LABELS: dict[str, str] = {
     "matrixfsdp": "matrixfsdp",
     "matrixfsdp_p2p": "matrixfsdp (broadcast/reduce)",
     "matrixfsdp_xreduce": "matrixfsdp (broadcast/exchange reduce)",
+    "matrixfsdp_bcast": "matrixfsdp (broadcast/rounds for every group)",
     "fsdp2_adamw": "FSDP2 + AdamW (floor)",
     "fsdp2_sgdm": "FSDP2 + SGD-momentum (Muon's state size)",
     "matrixfsdp_hsdp": "matrixfsdp HSDP",

@@ -104,13 +104,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--profiled", type=int, default=3)
     p.add_argument("--strategies", nargs="+", default=["fsdp2_adamw", "matrixfsdp"])
+    defaults = ModelConfig()
+    for name in ("dim", "layers", "heads", "mlp_hidden", "seq_len"):
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name),
+                       help=f"model {name} (default {getattr(defaults, name)})")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    cfg = BenchConfig(model=ModelConfig(), optim=OptimConfig.for_name("muon"),
+    model = ModelConfig(dim=args.dim, layers=args.layers, heads=args.heads,
+                        mlp_hidden=args.mlp_hidden, seq_len=args.seq_len)
+    cfg = BenchConfig(model=model, optim=OptimConfig.for_name("muon"),
                       world_size=args.world, warmup=2, steps=args.steps,
                       strategies=tuple(args.strategies))
     results = run_world(args.world, profile_worker, cfg, args.profiled)
-    print(f"# forward+backward, world {args.world}, {args.steps} interleaved steps")
+    print(f"# forward+backward, world {args.world}, {args.steps} interleaved steps, model {model}")
     steps = {name: [max(r["times"][name][i] for r in results) for i in range(args.steps)]
              for name in args.strategies}
     first = args.strategies[0]

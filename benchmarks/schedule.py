@@ -20,6 +20,7 @@ from functools import lru_cache
 
 import torch
 
+from matrixfsdp.collectives.torch_backend import PADDED_MAX_BYTES
 from matrixfsdp.optim import get_matrix_optimizer
 from matrixfsdp.planner import ParamPlacement, Plan
 
@@ -165,19 +166,24 @@ def _owner_segments(setup: Setup, unit: str) -> dict[int, tuple[int, int]]:
     return seg
 
 
-def _forms(impl: str, owners: int, n: int, gloo: bool) -> tuple[str, str]:
+def _forms(impl: str, owners: int, n: int, gloo: bool, gather_padded: int = 0,
+           reduce_padded: int = 0) -> tuple[str, str]:
     """(gather, reduce) forms of one group, by ``TorchOwnerComm``'s rule (its docstring):
     "p2p" is broadcast per matrix / reduce per segment, "alltoall" the exchange; "auto" on gloo
-    broadcasts and reduces in rounds, on NCCL exchanges gathers while owners >= (N - 1) / 2 and
-    reduces per segment."""
+    gathers with one padded all-gather and reduces with one all-reduce while the padded group
+    (``*_padded`` bytes) fits ``PADDED_MAX_BYTES``, else broadcasts and reduces in rounds; on
+    NCCL it exchanges gathers while owners >= (N - 1) / 2 and reduces per segment."""
     if impl == "p2p":
         return "broadcast", "reduce"
     if impl == "alltoall":
         return "alltoall", "alltoall"
     if impl == "xreduce":
         return "broadcast", "alltoall"
-    if gloo:
+    if impl == "bcast_rounds":
         return "broadcast", "rounds"
+    if gloo:
+        return (("allgather" if gather_padded <= PADDED_MAX_BYTES else "broadcast"),
+                ("allreduce" if reduce_padded <= PADDED_MAX_BYTES else "rounds"))
     return ("alltoall" if owners >= (n - 1) / 2 else "broadcast"), "reduce"
 
 
@@ -195,11 +201,16 @@ def _matrixfsdp(setup: Setup, impl: str, replicate_flags: bool = True) -> list[O
             seg = _owner_segments(setup, unit)
             if not seg:
                 continue
-            gather, reduce = _forms(impl, len(seg), n, setup.gloo)
+            width = max(e for e, _ in seg.values())
+            red_width = max(e + c for e, c in seg.values())
+            gather, reduce = _forms(impl, len(seg), n, setup.gloo, width * n * d.gather,
+                                    red_width * n * d.grad)
             for kind in kinds:
                 if n == 1:  # one rank per shard group: nothing moves inside it
                     continue
-                if kind == "gather" and gather == "alltoall":
+                if kind == "gather" and gather == "allgather":
+                    ops.append(Op(phase, "all_gather", width * n * d.gather, group=g))
+                elif kind == "gather" and gather == "alltoall":
                     pairs = {(o, r): e * d.gather for o, (e, _) in seg.items() for r in range(n)}
                     ops.append(_a2a(phase, n, pairs, group=g))
                 elif kind == "gather":
@@ -335,6 +346,8 @@ def schedule(setup: Setup, strategy: str) -> list[Op]:
         return _matrixfsdp(setup, "p2p")
     if strategy == "matrixfsdp_xreduce":
         return _matrixfsdp(setup, "xreduce")
+    if strategy == "matrixfsdp_bcast":
+        return _matrixfsdp(setup, "bcast_rounds")
     raise ValueError(f"no schedule for strategy {strategy!r}")
 
 

@@ -34,6 +34,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from .collectives import torch_backend
 from .planner import Plan, dtype_itemsize
 
 __all__ = [
@@ -259,14 +260,16 @@ class MatrixMemory:
     - ``gathered``: the group's matrices whole, in the compute dtype, that this rank holds while
       the group is unsharded: the ones it does not own (and its own too when the compute dtype
       differs from the master's: a cast copy).
-    - ``gather_buffers``: what a gather holds besides those matrices: nothing, in either form
-      (``TorchOwnerComm`` sends from the owner's storage and receives into the peers'); the
-      field stays for backends that pack segments.
+    - ``gather_buffers``: what a gather holds besides those matrices: nothing in the
+      buffer-free forms (``TorchOwnerComm`` sends from the owner's storage and receives into the
+      peers'); the padded one-call form ``"auto"`` picks on gloo for small groups holds a send
+      buffer of the longest segment and a receive buffer of N of them (see [Note: one call per
+      group] in ``collectives/torch_backend.py``).
     - ``grads``: the group's full-size gradients (compute dtype), which every rank computes.
     - ``reduce_buffers``: a reduction's packed buffer (every trainable matrix + a presence flag,
       reduce dtype) and the owner's receive buffers: exchange form (``collectives="alltoall"``)
-      N − 1 copies of its segment; ``"auto"`` on gloo (the rounds) one copy; ``"auto"`` on NCCL
-      and ``"p2p"`` reduce in place.
+      N − 1 copies of its segment; ``"auto"`` on gloo (the rounds) one copy, for small groups
+      none (one in-place all-reduce); ``"auto"`` on NCCL and ``"p2p"`` reduce in place.
     - ``all_reduce_buffer``: under HSDP (``plan.mesh_shape`` with replicas), the copy of this
       rank's summed segment (values and flags; with ``replicate_presence_flags=False`` only
       the values cross replicas, from the same buffer) being all-reduced over its replicate
@@ -313,12 +316,20 @@ def matrix_memory(plan: Plan, rank: int, *, collectives: str = "auto", gloo: boo
         counts = [sum(1 for m in group if m.owner_rank == r) for r in range(world)]
         own, total = numels[rank], sum(numels)
         gathered = (total - own if size == master else total) * size
+        # The one-call forms on gloo (see [Note: one call per group]): the gather's send buffer of
+        # the longest segment and receive buffer of N of them; the reduction is in place.
+        width, red_width = max(numels), max(n + c for n, c in zip(numels, counts, strict=True))
+        cap = torch_backend.PADDED_MAX_BYTES  # read at call time (tests lower it)
+        padded_gather = collectives == "auto" and gloo and world > 1 and width * world * size <= cap
+        padded_reduce = collectives == "auto" and gloo and world > 1 and \
+            red_width * world * red <= cap
+        gather_buffers = (world + 1) * width * size if padded_gather else 0
         copies = 0  # received copies of the owned segment held at once (TorchOwnerComm)
-        if world > 1 and own:
+        if world > 1 and own and not padded_reduce:
             copies = {"alltoall": world - 1, "auto": 1 if gloo else 0}.get(collectives, 0)
-        recv = copies * (own + counts[rank]) * red
+        recv = copies * (own + counts[rank]) * red  # the padded reduction is in place
         flat = (total + sum(counts)) * red
         all_reduce = (own + counts[rank]) * red if plan.replicate_size > 1 else 0
-        groups[name] = GroupBytes(gathered, 0, total * size, flat + recv, all_reduce)
+        groups[name] = GroupBytes(gathered, gather_buffers, total * size, flat + recv, all_reduce)
     owned = sum(m.nbytes for m in plan.owned_by(rank) if m.role == "matrix")
     return MatrixMemory(owned, groups)

@@ -11,6 +11,7 @@ import functools
 import math
 import weakref
 from contextlib import nullcontext
+from unittest import mock
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ from torch.distributed.tensor import DTensor
 
 import matrixfsdp as mf
 from matrixfsdp.checkpoint import load_full_state_dict
-from matrixfsdp.collectives import TorchOwnerComm
+from matrixfsdp.collectives import TorchOwnerComm, torch_backend
 from matrixfsdp.memory import LiveBytesTracker, matrix_memory
 from matrixfsdp.runtime import GroupState
 from matrixfsdp.runtime.pending import WorkKind
@@ -116,8 +117,14 @@ class _PackedBuffers(TorchOwnerComm):
 
 
 def _measured_step(rank: int, world: int, *, reduce_limit: int | None = None,
-                   packed: bool = False) -> tuple[int, int, int]:
-    """(peak live bytes of one full step after warm-up, bound, most reduction buffers alive)."""
+                   packed: bool = False, padded: bool = True) -> tuple[int, int, int]:
+    """(peak live bytes of one full step after warm-up, bound, most reduction buffers alive).
+
+    ``padded=False``: ``"auto"`` keeps the buffer-free forms for these small groups too (see
+    [Note: one call per group])."""
+    if not padded:
+        with mock.patch.object(torch_backend, "PADDED_MAX_BYTES", -1):
+            return _measured_step(rank, world, reduce_limit=reduce_limit, packed=packed)
     kwargs = {"dim": 64, "hidden": 128, "layers": 8}
     torch.manual_seed(0)
     model = TinyTransformer(**kwargs)
@@ -157,15 +164,16 @@ def _measured_step(rank: int, world: int, *, reduce_limit: int | None = None,
 
 
 def _reductions_bounded(rank: int, world: int) -> None:
-    peak, bound, most = _measured_step(rank, world)
-    assert most == 1, f"{most} reduction buffers alive at once (limit 1)"
-    assert peak <= bound, f"rank {rank}: peak live bytes {peak} > bound {bound}"
+    for padded in (True, False):  # the one-call forms "auto" picks here, and the buffer-free ones
+        peak, bound, most = _measured_step(rank, world, padded=padded)
+        assert most == 1, f"{most} reduction buffers alive at once (limit 1)"
+        assert peak <= bound, f"rank {rank}: peak live bytes {peak} > bound {bound} ({padded=})"
     if world > 1:  # the check has teeth: the old schedule breaks it
-        old_peak, old_bound, old_most = _measured_step(rank, world, reduce_limit=64)
+        old_peak, old_bound, old_most = _measured_step(rank, world, reduce_limit=64, padded=False)
         assert old_most == 8, old_most
         assert old_peak > old_bound, (old_peak, old_bound)
     if world == 4:  # and so do the old collectives' packed send/receive buffers
-        old_peak, old_bound, _ = _measured_step(rank, world, packed=True)
+        old_peak, old_bound, _ = _measured_step(rank, world, packed=True, padded=False)
         assert old_bound == bound and old_peak > bound, (old_peak, bound)
 
 

@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import matrixfsdp as mf
 from matrixfsdp.collectives import Phase
-from matrixfsdp.collectives.torch_backend import gather_form, reduce_form
+from matrixfsdp.collectives.torch_backend import PADDED_MAX_BYTES, gather_form, reduce_form
 from matrixfsdp.planner import make_plan
 from matrixfsdp.runtime.selection import default_groups, param_specs, select_params
 
@@ -123,23 +123,31 @@ def _collective_counts(rank: int, world: int) -> None:
         elif collectives == "p2p":  # one broadcast per matrix, one reduce per owner segment
             gathers = sum(len(g.params) for g in state.groups)
             reduces = sum(sum(1 for n in g.gather_numels if n) for g in state.groups)
-        else:  # "auto" on gloo: one broadcast per matrix, one reduction in rounds per group
-            gathers, reduces = sum(len(g.params) for g in state.groups), len(state.groups)
+        else:  # "auto" on gloo, groups this small: one padded all-gather, one all-reduce
+            gathers = reduces = len(state.groups)
         not_owned = sum(
             mp.numel * mp.dtype.itemsize for mp in state.params.values() if not mp.is_owner
         )
+        if collectives == "auto":  # padded: every peer's segment as long as the longest
+            not_owned = sum(max(g.gather_numels) * (world - 1) * 4 for g in state.groups)
         counter = state.comm.counter
         counter.reset()
         # "auto" on NCCL: the exchange while a group's owners cover about half the ranks, else
-        # broadcast; reduce in place per segment. On gloo: broadcast, reduce in rounds.
+        # broadcast; reduce in place per segment. On gloo: one padded call each way while the
+        # padded buffer is at most PADDED_MAX_BYTES, else broadcast and reduce in rounds.
         one_owner = [1] + [0] * (world - 1)
+        large = PADDED_MAX_BYTES // (4 * world) + 1
         assert state.comm._on_gloo(torch.zeros(1))
         assert gather_form("auto", one_owner, world, gloo=False) == (
             "broadcast" if world >= 4 else "alltoall")
         assert gather_form("auto", [1] * world, world, gloo=False) == "alltoall"
-        assert gather_form("auto", [1] * world, world, gloo=True) == "broadcast"
+        assert gather_form("auto", [1] * world, world, gloo=True) == "allgather"
+        assert gather_form("auto", [large] * world, world, gloo=True) == "broadcast"
         assert reduce_form("auto", gloo=False) == "reduce"
         assert reduce_form("auto", gloo=True) == "rounds"
+        assert reduce_form("auto", gloo=True, padded_bytes=PADDED_MAX_BYTES) == "allreduce"
+        assert reduce_form("auto", gloo=True, padded_bytes=PADDED_MAX_BYTES + 1) == "rounds"
+        assert reduce_form("auto", gloo=False, padded_bytes=8) == "reduce"
         loss = lm_loss(model, local_batch(global_batch(0), rank, world))
         fwd = counter.snapshot()[Phase.FORWARD.value]
         loss.backward()

@@ -16,6 +16,7 @@ from .sharded import (
     FSDP2AdamWStrategy,
     FSDP2SGDMomentumStrategy,
     GatherOnceStrategy,
+    MatrixFSDPBroadcastRoundsStrategy,
     MatrixFSDPExchangeReduceStrategy,
     MatrixFSDPP2PStrategy,
     MatrixFSDPStrategy,
@@ -39,7 +40,7 @@ STRATEGY_CLASSES: dict[str, type[Strategy]] = {
                 MatrixFSDPStrategy, MatrixFSDPP2PStrategy, FSDP2AdamWStrategy,
                 FSDP2SGDMomentumStrategy, MatrixFSDPHSDPStrategy, DistMuonStrategy,
                 DistMuonHSDPStrategy, MatrixFSDPExchangeReduceStrategy,
-                MatrixFSDPHSDPNoFlagsStrategy)
+                MatrixFSDPHSDPNoFlagsStrategy, MatrixFSDPBroadcastRoundsStrategy)
 }
 # Strategies that implement one matrix optimizer only (the others run with every optimizer).
 ONLY_FOR: dict[str, str] = {"distmuon": "muon", "distmuon_hsdp": "muon"}

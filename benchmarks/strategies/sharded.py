@@ -19,6 +19,7 @@ __all__ = [
     "FSDP2AdamWStrategy",
     "FSDP2SGDMomentumStrategy",
     "GatherOnceStrategy",
+    "MatrixFSDPBroadcastRoundsStrategy",
     "MatrixFSDPExchangeReduceStrategy",
     "MatrixFSDPP2PStrategy",
     "MatrixFSDPStrategy",
@@ -274,3 +275,13 @@ class MatrixFSDPExchangeReduceStrategy(_MatrixFSDPFormsStrategy):
 
     name = "matrixfsdp_xreduce"
     gather_impl, reduce_impl = "broadcast", "alltoall"
+
+
+class MatrixFSDPBroadcastRoundsStrategy(_MatrixFSDPFormsStrategy):
+    """matrixfsdp with the buffer-free gloo forms for every group: one broadcast per matrix and
+    the reduction in rounds (what ``"auto"`` picks on gloo for groups past ``PADDED_MAX_BYTES``;
+    for smaller ones it makes one padded all-gather and one all-reduce, see [Note: one call per
+    group])."""
+
+    name = "matrixfsdp_bcast"
+    gather_impl, reduce_impl = "broadcast", "rounds"

@@ -9,12 +9,26 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from .base import CommCounter, OwnerComm, Pending, ReplicateComm
+from .base import CommCounter, OwnerComm, Pending, ReplicateComm, _UnpackOnWait
 
-__all__ = ["TorchOwnerComm", "TorchReplicateComm", "gather_form", "reduce_form"]
+__all__ = ["PADDED_MAX_BYTES", "TorchOwnerComm", "TorchReplicateComm", "gather_form", "reduce_form"]
 
-GatherImpl = Literal["auto", "alltoall", "broadcast"]
-ReduceImpl = Literal["auto", "alltoall", "rounds", "reduce", "allreduce"]
+GatherImpl = Literal["auto", "alltoall", "broadcast", "allgather"]
+ReduceImpl = Literal["auto", "alltoall", "rounds", "reduce", "allreduce", "scatter"]
+
+# [Note: one call per group]
+# On gloo every collective pays a fixed latency (about 0.2 ms on loopback, see BENCHMARKS §2),
+# so a group of small matrices is latency-bound: a broadcast per matrix and a reduction in rounds
+# cost more calls than FSDP2's one all-gather and one reduction. ``"allgather"`` makes the gather
+# one call: it pads every owner segment to the group's longest and runs one all-gather into a
+# buffer of ``N * width`` elements, then copies each peer's segment into its matrices. The
+# reduction's one call is the in-place all-reduce of the packed buffer (``"allreduce"``: no
+# buffer beyond it, twice a reduce-scatter's bytes, FSDP2's own reduction on gloo);
+# ``"scatter"`` (one padded reduce-scatter) is there to be chosen by hand. Padding and the
+# all-reduce cost bytes and the gather buffer memory, so ``"auto"`` takes these forms on gloo only
+# while the padded group is at most ``PADDED_MAX_BYTES`` (the latency-bound regime: groups of
+# small matrices, where the buffer is small too); larger groups keep the buffer-free forms.
+PADDED_MAX_BYTES = 1 << 20
 
 
 class TorchOwnerComm(OwnerComm):
@@ -61,14 +75,15 @@ class TorchOwnerComm(OwnerComm):
         counter: CommCounter | None = None,
         dim: str = "shard",
     ) -> None:
-        if gather_impl not in ("auto", "alltoall", "broadcast"):
+        if gather_impl not in ("auto", "alltoall", "broadcast", "allgather"):
             raise ValueError(
-                f"gather_impl must be 'auto', 'alltoall' or 'broadcast', got {gather_impl!r}"
+                "gather_impl must be 'auto', 'alltoall', 'broadcast' or 'allgather', got "
+                f"{gather_impl!r}"
             )
-        if reduce_impl not in ("auto", "alltoall", "rounds", "reduce", "allreduce"):
+        if reduce_impl not in ("auto", "alltoall", "rounds", "reduce", "allreduce", "scatter"):
             raise ValueError(
-                "reduce_impl must be 'auto', 'alltoall', 'rounds', 'reduce' or 'allreduce', got "
-                f"{reduce_impl!r}"
+                "reduce_impl must be 'auto', 'alltoall', 'rounds', 'reduce', 'allreduce' or "
+                f"'scatter', got {reduce_impl!r}"
             )
         self.group = group
         self.rank = dist.get_rank(group)
@@ -104,10 +119,35 @@ class TorchOwnerComm(OwnerComm):
         if self.world_size == 1 or like is None:
             return Pending()
         numels = [sum(t.numel() for t in part) for part in parts]
-        if gather_form(self.gather_impl, numels, self.world_size,
-                       gloo=self._on_gloo(like)) == "broadcast":
+        form = gather_form(self.gather_impl, numels, self.world_size, gloo=self._on_gloo(like),
+                           itemsize=like.element_size())
+        if form == "broadcast":
             return self._gather_broadcast(parts, async_op)
+        if form == "allgather":
+            return self._gather_padded(parts, numels, async_op)
         return self._gather_exchange(parts, numels, async_op)
+
+    def _gather_padded(
+        self, parts: Sequence[Sequence[torch.Tensor]], numels: Sequence[int], async_op: bool
+    ) -> Pending:
+        """One padded all-gather (see [Note: one call per group])."""
+        me, width = self.rank, max(numels)
+        like = next(t for part in parts for t in part)
+        send = like.new_empty(width)
+        if parts[me]:
+            torch.cat([t.reshape(-1) for t in parts[me]], out=send[: numels[me]])
+        received = like.new_empty(width * self.world_size)
+        with record_function("matrixfsdp::all_gather_v"):
+            work = _all_gather_flat(received, send, self.group, async_op)
+        itemsize = like.element_size()
+        self.counter.record("all_gather_v", width * itemsize * (self.world_size - 1),
+                            width * itemsize * (self.world_size - 1), dim=self.dim)
+        segments = [received[r * width : r * width + n] for r, n in enumerate(numels)]
+        unpack = _UnpackOnWait(_issued([work], async_op, keepalive=(send, received)),
+                               segments, parts, me)
+        if not async_op:
+            unpack.wait()
+        return unpack
 
     def _gather_exchange(
         self, parts: Sequence[Sequence[torch.Tensor]], numels: Sequence[int], async_op: bool
@@ -149,7 +189,10 @@ class TorchOwnerComm(OwnerComm):
         if self.world_size == 1:
             return own, Pending()
         form = reduce_form(self.reduce_impl, gloo=self._on_gloo(flat),
-                           backend=self._backend_of(flat))
+                           backend=self._backend_of(flat),
+                           padded_bytes=max(numels) * self.world_size * flat.element_size())
+        if form == "scatter":
+            return self._reduce_padded(flat, numels, async_op)
         if form == "allreduce":
             return own, self._reduce_all(flat, async_op)
         if form == "reduce":
@@ -194,6 +237,24 @@ class TorchOwnerComm(OwnerComm):
         if not async_op:
             pending.wait()
         return pending
+
+    def _reduce_padded(
+        self, flat: torch.Tensor, numels: Sequence[int], async_op: bool
+    ) -> tuple[torch.Tensor, Pending]:
+        """One padded reduce-scatter (see [Note: one call per group]); the owner's summed
+        segment is a fresh tensor, ``flat`` is not written."""
+        width = max(numels)
+        padded = flat.new_zeros(width * self.world_size)
+        start = 0
+        for r, n in enumerate(numels):
+            padded[r * width : r * width + n] = flat[start : start + n]
+            start += n
+        out = flat.new_empty(width)
+        with record_function("matrixfsdp::reduce_to_owners"):
+            work = _reduce_scatter_flat(out, padded, self.group, async_op)
+        nbytes = width * flat.element_size() * (self.world_size - 1)
+        self.counter.record("reduce_to_owners", nbytes, nbytes, dim=self.dim)
+        return out[: numels[self.rank]], _issued([work], async_op, keepalive=(padded, out))
 
     def _reduce_p2p(
         self, flat: torch.Tensor, segments: Sequence[torch.Tensor], async_op: bool
@@ -269,16 +330,21 @@ class TorchReplicateComm(ReplicateComm):
         return Pending([work] if async_op else [], keepalive=(tensor,))
 
 
-def gather_form(impl: str, numels: Sequence[int], world_size: int, *,
-                gloo: bool) -> Literal["alltoall", "broadcast"]:
+def gather_form(impl: str, numels: Sequence[int], world_size: int, *, gloo: bool,
+                itemsize: int = 4) -> Literal["alltoall", "broadcast", "allgather"]:
     """The gather form ``TorchOwnerComm`` uses for ``impl`` (``"auto"``: see its rule);
     ``gloo``: the tensors travel on gloo (else NCCL, or another backend)."""
     if impl in ("broadcast", "p2p"):
         return "broadcast"
+    if impl == "allgather":
+        return "allgather"
     if impl != "auto":
         return "alltoall"
+    if gloo:
+        padded = max(numels) * world_size * itemsize
+        return "allgather" if padded <= PADDED_MAX_BYTES else "broadcast"
     owners = sum(1 for n in numels if n)
-    return "broadcast" if gloo or owners < (world_size - 1) / 2 else "alltoall"
+    return "broadcast" if owners < (world_size - 1) / 2 else "alltoall"
 
 
 # [Note: rounds need gloo]
@@ -294,12 +360,13 @@ def gather_form(impl: str, numels: Sequence[int], world_size: int, *,
 # ``"auto"`` picks it only where gloo carries the tensors (else one in-place ``reduce`` per
 # segment).
 def reduce_form(
-    impl: str, *, gloo: bool, backend: str | None = None,
-) -> Literal["alltoall", "rounds", "reduce", "allreduce"]:
+    impl: str, *, gloo: bool, backend: str | None = None, padded_bytes: int | None = None,
+) -> Literal["alltoall", "rounds", "reduce", "allreduce", "scatter"]:
     """The reduction form ``TorchOwnerComm`` uses for ``impl`` (``"auto"``: see its rule).
 
     ``gloo``: gloo carries the tensors; ``backend`` names the backend that does (for the error
-    raised when ``impl="rounds"`` and it is not gloo; see [Note: rounds need gloo]).
+    raised when ``impl="rounds"`` and it is not gloo; see [Note: rounds need gloo]);
+    ``padded_bytes``: the padded form's buffer (see [Note: one call per group]).
     """
     if impl == "p2p":
         return "reduce"
@@ -312,9 +379,25 @@ def reduce_form(
             "reduce per owner segment), 'alltoall' (one exchange: the owner receives its peers' "
             "copies at once) or 'auto'"
         )
-    if impl in ("alltoall", "rounds", "reduce", "allreduce"):
+    if impl in ("alltoall", "rounds", "reduce", "allreduce", "scatter"):
         return impl  # type: ignore[return-value]
+    if gloo and padded_bytes is not None and padded_bytes <= PADDED_MAX_BYTES:
+        return "allreduce"
     return "rounds" if gloo else "reduce"
+
+
+def _all_gather_flat(out: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup | None,
+                     async_op: bool) -> object:
+    """``all_gather_single`` where torch has it (2.13+), else ``all_gather_into_tensor``."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(out, send, group=group, async_op=async_op)
+
+
+def _reduce_scatter_flat(out: torch.Tensor, send: torch.Tensor,
+                         group: dist.ProcessGroup | None, async_op: bool) -> object:
+    """``reduce_scatter_single`` where torch has it (2.13+), else ``reduce_scatter_tensor``."""
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(out, send, group=group, async_op=async_op)
 
 
 def _issued(works: Sequence[object], async_op: bool, keepalive: Sequence[object]) -> Pending:

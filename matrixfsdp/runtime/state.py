@@ -88,7 +88,12 @@ from .matrix_param import MatrixParam
 from .mesh import DataParallelMesh
 from .pending import PendingWork, WorkKind, WorkQueue
 from .streams import InFlight, RuntimeStreams
-from .tail import discard_tail_partial_sums, reset_finished_fsdp_state, reshard_tail
+from .tail import (
+    discard_tail_partial_sums,
+    refresh_tail_dtypes,
+    reset_finished_fsdp_state,
+    reshard_tail,
+)
 
 __all__ = ["DEFAULT_IN_FLIGHT", "MatrixFSDPState", "in_backward"]
 
@@ -177,17 +182,18 @@ class MatrixFSDPState:
 
     # -- hook registration ------------------------------------------------------------------------
     def register_hooks(self) -> None:
-        self.root.register_forward_pre_hook(self._root_pre_forward, prepend=True)
-        self.root.register_forward_hook(self._root_post_forward)  # after FSDP2's
+        """Every hook runs eagerly under ``torch.compile`` (see ``_eager``)."""
+        self.root.register_forward_pre_hook(_eager(self._root_pre_forward), prepend=True)
+        self.root.register_forward_hook(_eager(self._root_post_forward))  # after FSDP2's
         for module in self.root.modules():  # before FSDP2's own pre-forward hooks
             if isinstance(module, FSDPModule):
-                module.register_forward_pre_hook(_before_fsdp_pre_forward, prepend=True)
+                module.register_forward_pre_hook(_eager(_before_fsdp_pre_forward), prepend=True)
         for group in self.groups:
             module = group.module
             module.register_forward_pre_hook(
-                functools.partial(self._pre_forward, group), with_kwargs=True
+                _eager(functools.partial(self._pre_forward, group)), with_kwargs=True
             )
-            module.register_forward_hook(functools.partial(self._post_forward, group))
+            module.register_forward_hook(_eager(functools.partial(self._post_forward, group)))
 
     # -- gathers through the queue ----------------------------------------------------------------
     def _unshard(self, group: MatrixGroup) -> None:
@@ -410,6 +416,7 @@ class MatrixFSDPState:
     def _reshard_tail(self) -> None:
         for module in self._find_fsdp_modules():
             reshard_tail(module)
+            refresh_tail_dtypes(module)
 
     def discard_partial_sums(self) -> bool:
         """Drop the owners' partial sums kept for the replicas (HSDP accumulation with
@@ -433,6 +440,15 @@ class MatrixFSDPState:
     def resident_matrix_bytes(self) -> int:
         """Bytes of matrix storage this rank holds right now (owned shards + any gathered)."""
         return sum(g.resident_bytes() for g in self.groups)
+
+
+def _eager(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """``hook``, run eagerly under ``torch.compile`` as FSDP2 runs its own hooks: a compiled block
+    (``torch.compile(block)`` after wrapping) traces its body in one graph, while gathers,
+    reductions and bookkeeping run between graphs."""
+    import torch._dynamo  # lazily: only wrapping pays its import
+
+    return torch._dynamo.disable(hook, recursive=True)
 
 
 def _before_fsdp_pre_forward(module: nn.Module, args: object) -> None:

@@ -34,7 +34,12 @@ from typing import Any
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-__all__ = ["discard_tail_partial_sums", "reset_finished_fsdp_state", "reshard_tail"]
+__all__ = [
+    "discard_tail_partial_sums",
+    "refresh_tail_dtypes",
+    "reset_finished_fsdp_state",
+    "reshard_tail",
+]
 
 try:  # the enum of FSDP2's training states (torch >= 2.4)
     from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
@@ -56,13 +61,31 @@ def reshard_tail(module: FSDPModule) -> None:
     ``FSDPModule.reshard()`` keeps a ``reshard_after_forward=False`` group (the root's) unsharded
     while its forward has not completed, e.g. after an exception mid-forward; its next forward
     would then compute with the stale unsharded copy. FSDP2's own state-dict hooks reshard with
-    ``_to_sharded()``; do the same where it exists.
+    ``_to_sharded()``; do the same where it exists. ``requires_grad`` set on an unsharded
+    parameter (what ``model.parameters()`` shows while a module stays unsharded after a forward)
+    is carried over to the sharded one first: FSDP2 copies it the other way at its next gather,
+    so a freeze made then would be lost.
     """
+    for group in _param_groups(module._get_fsdp_state()):
+        for fsdp_param in getattr(group, "fsdp_params", ()):
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            registered = _registered(fsdp_param)
+            if unsharded is not None and registered is unsharded and \
+                    unsharded.requires_grad != fsdp_param.sharded_param.requires_grad:
+                fsdp_param.sharded_param.requires_grad_(unsharded.requires_grad)
     module.reshard()
     for group in _param_groups(module._get_fsdp_state()):
         to_sharded = getattr(group, "_to_sharded", None)
         if to_sharded is not None:
             to_sharded()
+
+
+def _registered(fsdp_param: Any) -> Any:
+    """The tensor FSDP2 currently registers on the module for ``fsdp_param`` (None if unknown)."""
+    infos = getattr(fsdp_param, "_module_info", None)
+    if infos is None:
+        return None
+    return infos.module._parameters.get(infos.param_name)
 
 
 def reset_finished_fsdp_state(module: nn.Module) -> None:
@@ -87,3 +110,24 @@ def discard_tail_partial_sums(module: FSDPModule) -> bool:
             group._partial_reduce_output = None
             dropped = True
     return dropped
+
+
+def refresh_tail_dtypes(module: FSDPModule) -> None:
+    """Recompute FSDP2's mixed-precision dtypes of a group whose trainable set changed.
+
+    FSDP2 derives a group's reduce and gradient dtypes from its parameters that require grad
+    when it first runs; a group that was wholly frozen then has none, and once unfrozen it would
+    assign bf16 gradients to fp32 parameters ("attempting to assign a gradient with dtype
+    BFloat16 to a tensor with grad_dtype Float"). Called outside forward/backward, before a
+    root forward: freezing or unfreezing the tail takes effect at the next forward.
+    """
+    for group in _param_groups(module._get_fsdp_state()):
+        params = getattr(group, "fsdp_params", None)
+        init_dtypes = getattr(group, "_init_mp_dtypes", None)
+        if params is None or init_dtypes is None:
+            continue
+        flags = tuple(p.sharded_param.requires_grad for p in params)
+        seen = getattr(group, "_matrixfsdp_trainable", None)
+        group._matrixfsdp_trainable = flags
+        if seen is not None and seen != flags:
+            init_dtypes()

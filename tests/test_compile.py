@@ -1,0 +1,81 @@
+"""``torch.compile`` on the blocks of a wrapped model (see ``_eager`` in ``runtime/state.py``).
+
+Per-block compilation (``block.compile()``, the in-place form that keeps parameter names) gives
+the eager numbers over 3 optimizer steps, and a compiled block traces its body in as many graphs as
+the same block under stock FSDP2 (the runtime's hooks run eagerly between graphs, as FSDP2's do).
+``backend="aot_eager"`` traces forward and backward graphs without a C++ toolchain; the compiled
+step time against FSDP2-compiled is a benchmark (BENCHMARKS §15).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+from torch.distributed.fsdp import fully_shard
+
+import matrixfsdp as mf
+
+from .checks import assert_close_dicts, full_values, reference_values
+from .dist_utils import run_subtests, run_world
+from .models import TinyTransformer, global_batch, lm_loss, local_batch
+
+PARAM_RTOL = 1e-5
+
+torch_dynamo = pytest.importorskip("torch._dynamo")
+
+
+def _compiled_matches_eager(rank: int, world: int) -> None:
+    torch.manual_seed(0)
+    ref = TinyTransformer()
+    eager, compiled = (mf.fully_shard_matrix(copy.deepcopy(ref)) for _ in range(2))
+    for block in compiled.layers:
+        block.compile(backend="aot_eager")
+    opts = [torch.optim.SGD(m.parameters(), lr=0.2, momentum=0.9) for m in (ref, eager, compiled)]
+    for step in range(3):
+        tokens = global_batch(step)
+        lm_loss(ref, tokens).backward()
+        for m in (eager, compiled):
+            lm_loss(m, local_batch(tokens, rank, world)).backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    got = full_values(compiled)
+    assert_close_dicts(got, full_values(eager), PARAM_RTOL, "compiled vs eager")
+    assert_close_dicts(got, reference_values(ref), PARAM_RTOL, "compiled vs one process")
+
+
+def _graph_breaks(block: torch.nn.Module, x: torch.Tensor) -> tuple[int, int, list[str]]:
+    torch_dynamo.reset()
+    explained = torch_dynamo.explain(block)(x)
+    return (explained.graph_count, explained.graph_break_count,
+            [str(r.reason).splitlines()[0] for r in explained.break_reasons])
+
+
+def _no_more_breaks_than_fsdp2(rank: int, world: int) -> None:
+    torch.manual_seed(0)
+    ref = TinyTransformer()
+    stock, ours = copy.deepcopy(ref), mf.fully_shard_matrix(copy.deepcopy(ref))
+    for layer in stock.layers:
+        fully_shard(layer)
+    fully_shard(stock)
+    x = torch.randn(2, 8, 16)
+    stock_graphs, stock_breaks, _ = _graph_breaks(stock.layers[1], x)
+    graphs, breaks, reasons = _graph_breaks(ours.layers[1], x)
+    assert (graphs, breaks) <= (stock_graphs, stock_breaks), (
+        f"{breaks} graph breaks ({graphs} graphs) in a wrapped block, stock FSDP2 "
+        f"{stock_breaks} ({stock_graphs}): {reasons}")
+    torch_dynamo.reset()
+
+
+def _world(rank: int, world: int) -> None:
+    run_subtests(rank, {
+        "compiled_matches_eager": functools.partial(_compiled_matches_eager, rank, world),
+        "no_more_breaks_than_fsdp2": functools.partial(_no_more_breaks_than_fsdp2, rank, world),
+    })
+
+
+def test_compile() -> None:
+    run_world(2, _world)
