@@ -24,7 +24,7 @@ STRATEGIES: tuple[str, ...] = (
 )
 # Variants run only when named (``--strategies ...``): forms the default "auto" does not pick.
 EXTRA_STRATEGIES: tuple[str, ...] = ("matrixfsdp_xreduce", "matrixfsdp_noflags_hsdp",
-                                     "matrixfsdp_bcast")
+                                     "matrixfsdp_bcast", "matrixfsdp_unit_tails")
 STRATEGY_LABELS: dict[str, str] = {
     "ddp": "DDP + matrix opt",
     "fsdp2_recon": "FSDP2 + reconstruction",
@@ -34,6 +34,7 @@ STRATEGY_LABELS: dict[str, str] = {
     "matrixfsdp_p2p": "matrixfsdp (broadcast/reduce)",
     "matrixfsdp_xreduce": "matrixfsdp (broadcast/exchange reduce)",
     "matrixfsdp_bcast": "matrixfsdp (broadcast/rounds for every group)",
+    "matrixfsdp_unit_tails": "matrixfsdp (an FSDP2 unit per block tail, broadcast/rounds)",
     "fsdp2_adamw": "FSDP2 + AdamW (floor)",
     "fsdp2_sgdm": "FSDP2 + SGD-momentum (Muon's state size)",
     "matrixfsdp_hsdp": "matrixfsdp HSDP",

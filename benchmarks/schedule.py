@@ -23,6 +23,7 @@ import torch
 from matrixfsdp.collectives.torch_backend import PADDED_MAX_BYTES
 from matrixfsdp.optim import get_matrix_optimizer
 from matrixfsdp.planner import ParamPlacement, Plan
+from matrixfsdp.runtime.tail import tail_has_unit
 
 __all__ = [
     "Dtypes",
@@ -121,21 +122,35 @@ def numel(shape: tuple[int, ...]) -> int:
 
 
 # -- building blocks ----------------------------------------------------------------------------
-def _fsdp(setup: Setup, role: str | None, resharded: bool = True) -> list[Op]:
+def _unit_params(setup: Setup, role: str | None, fold: bool) -> dict[str, list[ParamPlacement]]:
+    """Each FSDP2 unit's parameters; with ``fold`` a group's tail joins the root's unit unless
+    ``tail_has_unit`` gives it its own (matrixfsdp's default, see [Note: tail units])."""
+    units = {unit: setup.params_of(unit, role) for unit in setup.units()}
+    if fold:
+        for unit in [u for u in units if u]:
+            nbytes = sum(numel(p.shape) * setup.dtypes.param for p in units[unit])
+            if not tail_has_unit("auto", nbytes):
+                units[""] = units[""] + units.pop(unit)
+    return units
+
+
+def _fsdp(setup: Setup, role: str | None, resharded: bool = True,
+          fold: bool = False) -> list[Op]:
     """FSDP2 forward gathers, backward re-gathers (blocks) and reduce-scatters, per unit; under
     HSDP inside the shard group, then one all-reduce of the reduced shard over the replicas."""
     n, d = setup.shard, setup.dtypes
     group = "shard" if setup.replicate > 1 else "world"
     ops: list[Op] = []
+    units = _unit_params(setup, role, fold)
     for phase in ("forward", "backward"):
-        for unit in setup.units():
-            elems = sum(padded(p.shape, n) for p in setup.params_of(unit, role))
+        for unit, params in units.items():
+            elems = sum(padded(p.shape, n) for p in params)
             if not elems:
                 continue
             if n > 1 and (phase == "forward" or (unit and resharded)):  # FSDP2 skips 1 rank
                 ops.append(Op(phase, "all_gather", elems * d.gather, group=group))
-    for unit in setup.units():
-        elems = sum(padded(p.shape, n) for p in setup.params_of(unit, role))
+    for params in units.values():
+        elems = sum(padded(p.shape, n) for p in params)
         if elems and n > 1:
             ops.append(Op("backward", "all_reduce" if setup.gloo else "reduce_scatter",
                           elems * d.grad, group=group))
@@ -187,7 +202,8 @@ def _forms(impl: str, owners: int, n: int, gloo: bool, gather_padded: int = 0,
     return ("alltoall" if owners >= (n - 1) / 2 else "broadcast"), "reduce"
 
 
-def _matrixfsdp(setup: Setup, impl: str, replicate_flags: bool = True) -> list[Op]:
+def _matrixfsdp(setup: Setup, impl: str, replicate_flags: bool = True,
+                fold_tails: bool = True) -> list[Op]:
     """``impl``: "alltoall" (one exchange of point-to-point sends per group, the traffic of an
     uneven all-to-all), "p2p" (one broadcast per matrix, one reduce per owner segment), or
     "auto" (the library default, ``_forms``). Under HSDP inside the shard group, and each
@@ -195,7 +211,7 @@ def _matrixfsdp(setup: Setup, impl: str, replicate_flags: bool = True) -> list[O
     owner: values and presence flags, or the values only with ``replicate_flags=False``)."""
     n, d = setup.shard, setup.dtypes
     g = "shard" if setup.replicate > 1 else "world"
-    ops = _fsdp(setup, "tail")
+    ops = _fsdp(setup, "tail", fold=fold_tails)
     for phase, kinds in (("forward", ("gather",)), ("backward", ("gather", "reduce"))):
         for unit in setup.units():
             seg = _owner_segments(setup, unit)
@@ -348,6 +364,8 @@ def schedule(setup: Setup, strategy: str) -> list[Op]:
         return _matrixfsdp(setup, "xreduce")
     if strategy == "matrixfsdp_bcast":
         return _matrixfsdp(setup, "bcast_rounds")
+    if strategy == "matrixfsdp_unit_tails":
+        return _matrixfsdp(setup, "bcast_rounds", fold_tails=False)
     raise ValueError(f"no schedule for strategy {strategy!r}")
 
 

@@ -36,6 +36,7 @@ from .runtime.selection import (
     select_params,
 )
 from .runtime.state_dict_view import install_state_dict_view
+from .runtime.tail import tail_has_unit
 
 __all__ = [
     "clip_grad_norm_",
@@ -66,6 +67,7 @@ def fully_shard_matrix(
     planner: object = None,
     collectives: Literal["auto", "alltoall", "p2p", "nvshmem"] = "auto",
     replicate_presence_flags: bool = True,
+    tail_units: Literal["auto", "groups", "root"] = "auto",
 ) -> nn.Module:
     """Shard ``model`` owner-style: each selected matrix whole on one rank, the tail in FSDP2.
 
@@ -123,6 +125,13 @@ def fully_shard_matrix(
             is exactly zero raises ``ValueError`` on its owner in that replica (absent and zero
             cannot be told apart there). For models whose matrices all take part in every loss
             (see [Note: presence flags] in ``runtime/group.py``).
+        tail_units: which groups' tails (their parameters that are not matrices: norms, biases,
+            expert stacks) get an FSDP2 unit of their own. ``"auto"``: a group whose tail holds
+            more than ``TAIL_UNIT_MIN_BYTES`` (1 MiB; e.g. sliced 3-D expert stacks); smaller ones
+            (a block's norms and biases) join the root's unit, gathered once per step, so each
+            block moves with the runtime's own collectives alone. ``"groups"``: every group, as
+            ``fully_shard`` on each block would; ``"root"``: none (see [Note: tail units] in
+            ``runtime/tail.py``).
 
     Returns the same module, changed in place.
     """
@@ -131,6 +140,8 @@ def fully_shard_matrix(
         raise ValueError(
             f"collectives must be 'auto', 'alltoall', 'p2p' or 'nvshmem', got {collectives!r}"
         )
+    if tail_units not in ("auto", "groups", "root"):
+        raise ValueError(f"tail_units must be 'auto', 'groups' or 'root', got {tail_units!r}")
     if not isinstance(replicate_presence_flags, bool):
         raise ValueError(f"replicate_presence_flags must be True or False, got "
                          f"{replicate_presence_flags!r}")
@@ -158,7 +169,8 @@ def fully_shard_matrix(
     if collectives == "nvshmem":
         comm = _nvshmem_comm(comm, matrix_groups, dp.mesh)
     ignored = {t for g in matrix_groups for p in g.params for t in (p.sharded, p.unsharded)}
-    _apply_fully_shard(model, group_modules, ignored, dp.mesh, reshard_after_forward, mp_policy)
+    _apply_fully_shard(model, group_modules, ignored, dp.mesh, reshard_after_forward, mp_policy,
+                       tail_units)
     state = MatrixFSDPState(
         root=model,
         plan=plan,
@@ -517,17 +529,24 @@ def _apply_fully_shard(
     mesh: DeviceMesh,
     reshard_after_forward: bool,
     mp_policy: MixedPrecisionPolicy | None,
+    tail_units: str = "auto",
 ) -> None:
-    """Stock FSDP2 for the tail: every group, innermost first, then the root; matrices ignored."""
+    """Stock FSDP2 for the tail: groups whose own tail has a unit (see [Note: tail units]),
+    innermost first, then the root; matrices ignored."""
     policy = mp_policy or MixedPrecisionPolicy()
     depth = {id(m): _fqn_of(model, m).count(".") for m in group_modules}
     inner_first = sorted(
         (m for m in group_modules if m is not model), key=lambda m: -depth[id(m)]
     )
+    placed = {id(p) for p in ignored}
     for module in inner_first:
+        own = [p for p in module.parameters() if id(p) not in placed]
+        if not tail_has_unit(tail_units, sum(p.numel() * p.element_size() for p in own)):
+            continue  # its tail joins the root's unit
         fully_shard(
             module, mesh=mesh, reshard_after_forward=reshard_after_forward,
             mp_policy=policy, ignored_params=ignored,
         )
+        placed.update(id(p) for p in own)
     fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy,
                 ignored_params=ignored)

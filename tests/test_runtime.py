@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 
 import matrixfsdp as mf
 from matrixfsdp.collectives import Phase
@@ -17,7 +18,7 @@ from matrixfsdp.collectives.torch_backend import PADDED_MAX_BYTES, gather_form, 
 from matrixfsdp.planner import make_plan
 from matrixfsdp.runtime.selection import default_groups, param_specs, select_params
 
-from .checks import assert_close_dicts, full_values, reference_values
+from .checks import assert_close_dicts, count_collectives, full_values, reference_values
 from .dist_utils import DEVICES, device_type, run_subtests, run_world
 from .models import TinyTransformer, global_batch, lm_loss, local_batch
 
@@ -162,6 +163,33 @@ def _collective_counts(rank: int, world: int) -> None:
         assert counter.snapshot()[Phase.OPTIMIZER.value]["calls"] == 0
 
 
+def _profiled_calls_per_group(rank: int, world: int) -> None:
+    """Counted by the profiler (backend ops): per block one gather in forward, one in backward and
+    one reduction, the tail included (see [Note: tail units]): no more than stock FSDP2 on the
+    same model; with a unit per block tail and the buffer-free forms, more."""
+    if world == 1:
+        return
+    torch.manual_seed(0)
+    ref = TinyTransformer(layers=4)
+    stock = copy.deepcopy(ref)
+    for layer in stock.layers:
+        fully_shard(layer)
+    fully_shard(stock)
+    tokens = local_batch(global_batch(0), rank, world)
+
+    def calls(model: nn.Module) -> int:
+        lm_loss(model, tokens).backward()  # warm-up: FSDP2's lazy init
+        return count_collectives(lambda: lm_loss(model, tokens).backward())
+
+    ours = calls(mf.fully_shard_matrix(copy.deepcopy(ref)))
+    blocks = len(ref.layers)
+    assert ours == 3 * blocks + 2, ours  # + the root unit's gather and reduction
+    assert ours <= calls(stock), (ours, calls(stock))
+    before = calls(mf.fully_shard_matrix(copy.deepcopy(ref), tail_units="groups",
+                                         collectives="p2p"))
+    assert before > ours, (before, ours)
+
+
 def _plan_identical(rank: int, world: int) -> None:
     _, model = _pair()
     probe = copy.deepcopy(model)
@@ -293,6 +321,7 @@ def _world_runtime(rank: int, world: int) -> None:
                                                       collectives="alltoall"),
         "memory_and_pinning": functools.partial(_memory_and_pinning, rank, world),
         "collective_counts": functools.partial(_collective_counts, rank, world),
+        "profiled_calls_per_group": functools.partial(_profiled_calls_per_group, rank, world),
         "plan_identical": functools.partial(_plan_identical, rank, world),
         "forged_plan_raises": functools.partial(_forged_plan_raises, rank, world),
         "unused_on_some_ranks": functools.partial(_unused_on_some_ranks, rank, world),

@@ -20,6 +20,7 @@ from .sharded import (
     MatrixFSDPExchangeReduceStrategy,
     MatrixFSDPP2PStrategy,
     MatrixFSDPStrategy,
+    MatrixFSDPUnitTailsStrategy,
     ReconstructionStrategy,
 )
 
@@ -40,7 +41,8 @@ STRATEGY_CLASSES: dict[str, type[Strategy]] = {
                 MatrixFSDPStrategy, MatrixFSDPP2PStrategy, FSDP2AdamWStrategy,
                 FSDP2SGDMomentumStrategy, MatrixFSDPHSDPStrategy, DistMuonStrategy,
                 DistMuonHSDPStrategy, MatrixFSDPExchangeReduceStrategy,
-                MatrixFSDPHSDPNoFlagsStrategy, MatrixFSDPBroadcastRoundsStrategy)
+                MatrixFSDPHSDPNoFlagsStrategy, MatrixFSDPBroadcastRoundsStrategy,
+                MatrixFSDPUnitTailsStrategy)
 }
 # Strategies that implement one matrix optimizer only (the others run with every optimizer).
 ONLY_FOR: dict[str, str] = {"distmuon": "muon", "distmuon_hsdp": "muon"}

@@ -23,6 +23,7 @@ __all__ = [
     "MatrixFSDPExchangeReduceStrategy",
     "MatrixFSDPP2PStrategy",
     "MatrixFSDPStrategy",
+    "MatrixFSDPUnitTailsStrategy",
     "ReconstructionStrategy",
 ]
 
@@ -285,3 +286,11 @@ class MatrixFSDPBroadcastRoundsStrategy(_MatrixFSDPFormsStrategy):
 
     name = "matrixfsdp_bcast"
     gather_impl, reduce_impl = "broadcast", "rounds"
+
+
+class MatrixFSDPUnitTailsStrategy(MatrixFSDPBroadcastRoundsStrategy):
+    """The layout before per-group overhead was cut: an FSDP2 unit for every block's tail
+    (``tail_units="groups"``) and the buffer-free gloo forms for every group."""
+
+    name = "matrixfsdp_unit_tails"
+    wrap_kwargs: ClassVar[dict[str, Any]] = {"tail_units": "groups"}

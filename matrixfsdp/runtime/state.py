@@ -159,6 +159,9 @@ class MatrixFSDPState:
         self._fsdp_modules: list[FSDPModule] | None = None  # found on first quiesce()
         self._last_forward_order: list[MatrixGroup] = []
         self._forward_order: list[MatrixGroup] = []
+        self._root_forward_running = False
+        self._root_unsharded_for: MatrixGroup | None = None
+        self._tail_in_root: dict[str, bool] = {}
         self._end_backward()
 
     # -- iteration bookkeeping --------------------------------------------------------------------
@@ -183,6 +186,11 @@ class MatrixFSDPState:
     # -- hook registration ------------------------------------------------------------------------
     def register_hooks(self) -> None:
         """Every hook runs eagerly under ``torch.compile`` (see ``_eager``)."""
+        matrices = {id(p.sharded) for p in self.params.values()}
+        self._tail_in_root = {  # groups with a tail but no FSDP2 unit (see [Note: tail units])
+            g.name: not isinstance(g.module, FSDPModule)
+            and any(id(p) not in matrices for p in g.module.parameters())
+            for g in self.groups}
         self.root.register_forward_pre_hook(_eager(self._root_pre_forward), prepend=True)
         self.root.register_forward_hook(_eager(self._root_post_forward))  # after FSDP2's
         for module in self.root.modules():  # before FSDP2's own pre-forward hooks
@@ -238,12 +246,36 @@ class MatrixFSDPState:
             return
         self.retire_pending()
         self._reshard_tail()  # a forward that had no backward may have left it unsharded
+        self._root_forward_running = True
         if self._forward_order:  # a new forward: its groups are recorded again
             self._last_forward_order, self._forward_order = self._forward_order, []
 
     def _root_post_forward(self, module: nn.Module, args: object, output: object) -> None:
-        if not torch.is_grad_enabled() and not in_backward():
+        if in_backward():
+            return
+        self._root_forward_running = False
+        if not torch.is_grad_enabled():
             self._reshard_tail()  # no backward follows (see [Note: the tail after forward])
+
+    def _tail_from_root(self, group: MatrixGroup, starting: bool) -> None:
+        """A group called on its own (not inside the model's forward) whose tail lives in the
+        root's FSDP2 unit (see [Note: tail units]): unshard that unit around the call."""
+        if starting:
+            if self._root_forward_running or not self._tail_in_root.get(group.name):
+                return
+            if torch.is_grad_enabled():
+                raise NotImplementedError(
+                    f"module {group.name!r} was called on its own with grad enabled, but its "
+                    "parameters that are not matrices (norms, biases) live in the root's FSDP2 "
+                    "unit (fully_shard_matrix(..., tail_units='auto')), whose gradients only a "
+                    "forward of the whole model reduces; call the whole model, run the module "
+                    "under torch.no_grad(), or wrap with tail_units='groups'"
+                )
+            self.root.unshard()  # type: ignore[operator]
+            self._root_unsharded_for = group
+        elif self._root_unsharded_for is group:
+            self._root_unsharded_for = None
+            reshard_tail(self.root)  # type: ignore[arg-type]
 
     def _pre_forward(
         self, group: MatrixGroup, module: nn.Module, args: tuple, kwargs: dict
@@ -252,6 +284,7 @@ class MatrixFSDPState:
         if recompute:
             self._queue_final_callback()
         else:
+            self._tail_from_root(group, starting=True)
             group.refresh_trainable()
         with comm_phase(Phase.BACKWARD if recompute else Phase.FORWARD):
             self._unshard(group)
@@ -290,6 +323,7 @@ class MatrixFSDPState:
                 self._register_pre_backward(group, output)
             return output
         group.use_sharded()
+        self._tail_from_root(group, starting=False)
         if group not in self._forward_order:
             self._forward_order.append(group)
         if self.reshard_after_forward or not torch.is_grad_enabled():
@@ -407,6 +441,7 @@ class MatrixFSDPState:
         MatrixParam.end_init_window(self.params.values())  # [Note: matrix init RNG]
         self.retire_pending()
         self._reshard_tail()
+        self._root_forward_running, self._root_unsharded_for = False, None
 
     def _find_fsdp_modules(self) -> list[FSDPModule]:
         if self._fsdp_modules is None:
