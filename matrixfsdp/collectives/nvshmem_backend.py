@@ -35,6 +35,7 @@ later. An explicit ``close()`` is not bounded (every rank calls it while all are
 from __future__ import annotations
 
 import atexit
+import itertools
 import logging
 import math
 import os
@@ -181,6 +182,7 @@ class NvshmemOwnerComm(OwnerComm):
         self._stream = self._ops.new_stream()
         self._ledger = Ledger(layout, self.rank)
         self._closed = False
+        self._created = next(_CREATION_ORDER)
         _LIVE.add(self)
 
     # -- all-gather-v -----------------------------------------------------------------------------
@@ -259,6 +261,9 @@ class NvshmemOwnerComm(OwnerComm):
 
 
 _LIVE: weakref.WeakSet[NvshmemOwnerComm] = weakref.WeakSet()
+# Closing is collective: every rank closes its communicators in creation order (a WeakSet's own
+# iteration order differs between processes, and mismatched barriers would hang the exit).
+_CREATION_ORDER = itertools.count()
 
 
 # -- the bounded exit path ------------------------------------------------------------------------
@@ -303,7 +308,7 @@ def close_all(timeout_s: float | None = None) -> bool:
     logs a warning, leaves the remaining heaps and NVSHMEM itself as they are (no finalize) and
     returns False, with the stuck close left on a daemon thread that cannot delay the exit.
     """
-    comms = list(_LIVE)
+    comms = sorted(_LIVE, key=lambda comm: comm._created)
     if not comms:
         return True
     if timeout_s is None:
