@@ -10,6 +10,10 @@ runtime manages its parameters as matrices.
 
 With ``skip_nonfinite=True`` a step whose global gradient norm is inf/NaN is skipped on every rank
 alike; see [Note: skipping non-finite steps] in ``matrixfsdp.nonfinite``.
+
+TP matrices (``parallelize_module`` before ``fully_shard_matrix``; [Note: TP matrices]) are stepped
+whole: their TP shards meet on a step owner in the owner row's tp group, which keeps their state
+(see [Note: TP step exchange] in ``matrixfsdp.optim.tp_step``).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from .layouts import MatrixLayout, SplitSpec, resolve_split
 from .offload import StatePlacement, make_state_placement
 from .owner_step import OwnedMatrix, batch_owned, init_owned_state, local, owned_blocks, step_owned
 from .registry import MatrixOptimizerSpec, get_matrix_optimizer
+from .tp_step import TpMatrix, WholeStepper, step_tp_matrices, tp_step_owners
 
 __all__ = ["MatrixOptimizer", "state_bytes"]
 
@@ -140,6 +145,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
         if self._matrix_cls is not None:
             _check_torch_class(self._matrix_cls, matrix_group["split"],
                                [f for f in fqns if orientation[f] != "out_in"])
+        self._tp = _tp_entries(runtime, self._matrix_cls, self._spec)
         if self._matrix_cls is not None and runtime.plan.sharded_stacks:
             raise NotImplementedError(
                 f"a torch.optim class cannot step the expert slices of sharded stacks "
@@ -165,6 +171,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
         self.skip_nonfinite = bool(skip_nonfinite)
         self.skipped_steps = 0  # steps skipped for a non-finite gradient norm (this process)
         self.last_step_skipped = False
+        self.tp_step_bytes = 0  # bytes this rank sent in tp groups in the last step (TP matrices)
         self._runtime = runtime
         self._link_inner()
         # state_dict()/load_state_dict() show every matrix's state on every rank, as matrix
@@ -252,6 +259,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
                 loss = closure()
         self._runtime.quiesce()  # no gather may read a parameter while it is being stepped
         with comm_phase(Phase.OPTIMIZER), record_function("matrixfsdp::optimizer_step"):
+            self.tp_step_bytes = 0
             self.last_step_skipped = self.skip_nonfinite and self._nonfinite_grad_norm()
             if self.last_step_skipped:
                 self.zero_grad(set_to_none=True)
@@ -286,10 +294,12 @@ class MatrixOptimizer(torch.optim.Optimizer):
 
     def _step_matrices(self, index: int, group: dict[str, Any]) -> None:
         # Sharded stacks are DTensors: every rank keeps (possibly empty) state for them, so all
-        # ranks agree on the state's keys; plain matrices have state on their owner only.
-        owned = [p for p in group["params"]
-                 if p.grad is not None and (isinstance(p, DTensor) or p.numel() > 0)]
-        if not owned:
+        # ranks agree on the state's keys; plain matrices have state on their owner only, TP
+        # matrices on their step owner (the TP step below).
+        owned = [p for p in group["params"] if id(p) not in self._tp and p.grad is not None
+                 and (isinstance(p, DTensor) or p.numel() > 0)]
+        tp_owned = [p for p in group["params"] if id(p) in self._tp and _tp_steps(p)]
+        if not owned and not tp_owned:
             return
         if self._matrix_cls is not None:
             self._step_with_torch_class(index, group)
@@ -303,6 +313,11 @@ class MatrixOptimizer(torch.optim.Optimizer):
         items = self._owned_items(owned, spec, config, layouts)
         for batch in self._placement.staged(batch_owned(items, self.batch_same_shape)):
             step_owned(spec, batch, hyper)
+        if tp_owned:
+            matrices = [TpMatrix(fqn, p, tp, owner, layouts[id(p)])
+                        for p in tp_owned for fqn, tp, owner in (self._tp[id(p)],)]
+            stepper = WholeStepper(spec, hyper, self.state, self._placement, self.batch_same_shape)
+            self.tp_step_bytes += step_tp_matrices(matrices, stepper).bytes_sent
 
     def _owned_items(
         self, owned: list[nn.Parameter], spec: MatrixOptimizerSpec, config: Any,
@@ -427,6 +442,34 @@ def _check_torch_class(
             "optimizer='muon' (or another registered name) for the (out, in) orientation",
             cls.__name__, len(stored), stored[:8],
         )
+
+
+def _tp_steps(p: nn.Parameter) -> bool:
+    """Does this owner-row TP shard take part in the TP step? Its gradient says; an empty TP
+    shard (``torch.chunk`` sizes) without one follows ``requires_grad`` (see [Note: TP step
+    exchange]: every tp rank of the row must agree)."""
+    return p.grad is not None or (p.numel() == 0 and p.requires_grad)
+
+
+def _tp_entries(
+    runtime: Any, matrix_cls: type | None, spec: MatrixOptimizerSpec | None
+) -> dict[int, tuple[str, Any, int]]:
+    """``id(TP shard) -> (fqn, TpLayout, step owner)`` for the TP matrices of this rank's owner
+    row, step owners from plan order; a torch.optim class cannot step TP matrices."""
+    tp_params = [mp for mp in runtime.params.values() if getattr(mp, "tp", None) is not None]
+    if tp_params and matrix_cls is not None:
+        mp = tp_params[0]
+        raise NotImplementedError(
+            f"MatrixOptimizer(optimizer={matrix_cls.__name__}) cannot step the TP matrix "
+            f"{mp.fqn!r} (TP shard {tuple(mp.shape)} of global shape {mp.tp.global_shape}; "
+            f"{len(tp_params)} TP matrices in all): a torch.optim class would step TP shards, not "
+            "whole matrices; use a registered name (e.g. optimizer='muon'), which steps each TP "
+            "matrix whole on one tp rank"
+        )
+    row = [mp for mp in tp_params if mp.is_owner]
+    assert spec is not None or not row  # a torch.optim class was refused above
+    owners = tp_step_owners([(mp.fqn, mp.tp) for mp in row], spec.name if spec else "")
+    return {id(mp.sharded): (mp.fqn, mp.tp, owner) for mp, owner in zip(row, owners, strict=True)}
 
 
 def _placement(

@@ -67,11 +67,15 @@ def _as_stack_dtensor(t: Tensor, like: DTensor) -> DTensor:
                               shape=torch.Size(shape), stride=tuple(stride))
 
 
-def owned_blocks(p: Tensor, state: dict[str, Tensor], layout: MatrixLayout) -> list[OwnedMatrix]:
-    """The blocks of ``p`` to step: canonical views of parameter and gradient, with their state."""
+def owned_blocks(
+    p: Tensor, state: dict[str, Tensor], layout: MatrixLayout, grad: Tensor | None = None
+) -> list[OwnedMatrix]:
+    """The blocks of ``p`` to step: canonical views of parameter and gradient (``grad``, else
+    ``p.grad``), with their state."""
     params = block_views(local(p), layout)
-    assert p.grad is not None  # the caller steps parameters with gradients only
-    grads = block_views(local(p.grad), layout)
+    grad = p.grad if grad is None else grad
+    assert grad is not None  # the caller steps parameters with gradients only
+    grads = block_views(local(grad), layout)
     step = int(state["step"].item())  # a host tensor (init_owned_state): no device sync
     keys = [k for k in state if k != "step"]
     if len(params) == 1:
