@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Literal
 
 import torch
@@ -14,6 +14,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.profiler import record_function
 
 from .collectives import (
     OwnerComm,
@@ -37,6 +38,7 @@ from .runtime.selection import (
 )
 from .runtime.state_dict_view import install_state_dict_view
 from .runtime.tail import tail_has_unit
+from .runtime.tp import TpLayout, model_tp_mesh, tp_layout_of, tp_norm_weight
 
 __all__ = [
     "clip_grad_norm_",
@@ -164,8 +166,10 @@ def fully_shard_matrix(
     replicate = (TorchReplicateComm(dp.replicate_group, counter=comm.counter)
                  if dp.replicate_group is not None and dp.replicate_size > 1 else None)
     _check_plan_agrees(plan, dp)
+    tp_mesh = model_tp_mesh(model, dp.mesh)
+    tp_layouts = {s.fqn: tp_layout_of(s.fqn, s.param, dp.mesh) for s in sites if s.is_matrix}
     matrix_groups = _build_groups(model, group_modules, sites, plan, comm, replicate, mp_policy,
-                                  replicate_presence_flags=replicate_presence_flags)
+                                  tp_layouts, replicate_presence_flags=replicate_presence_flags)
     if collectives == "nvshmem":
         comm = _nvshmem_comm(comm, matrix_groups, dp.mesh)
     ignored = {t for g in matrix_groups for p in g.params for t in (p.sharded, p.unsharded)}
@@ -178,6 +182,7 @@ def fully_shard_matrix(
         comm=comm,
         mesh=dp,
         reshard_after_forward=reshard_after_forward,
+        tp_mesh=tp_mesh,
     )
     state.register_hooks()
     _register_refresh_hooks(model, state)
@@ -270,7 +275,8 @@ def global_grad_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
     Every rank gets the same value. See [Note: skipping non-finite steps] for its use.
     """
     state = get_state(model)
-    return _global_norm(state, list(_local_grads(model.parameters())), float(norm_type))
+    grads, weights = _local_grads(state, model.parameters())
+    return _global_norm(state, grads, weights, float(norm_type))
 
 
 @torch.no_grad()
@@ -294,8 +300,8 @@ def clip_grad_norm_(
     if max_norm < 0:
         raise ValueError(f"max_norm must be non-negative, got {max_norm}")
     state = get_state(model)
-    grads = list(_local_grads(model.parameters()))
-    total = _global_norm(state, grads, float(norm_type))
+    grads, weights = _local_grads(state, model.parameters())
+    total = _global_norm(state, grads, weights, float(norm_type))
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"the total norm of order {norm_type} of gradients is non-finite")
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
@@ -305,30 +311,47 @@ def clip_grad_norm_(
     return total
 
 
-def _global_norm(state: MatrixFSDPState, grads: list[torch.Tensor], p: float) -> torch.Tensor:
+def _global_norm(state: MatrixFSDPState, grads: list[torch.Tensor], weights: list[float],
+                 p: float) -> torch.Tensor:
+    """Over the shard group, then the tp group; ``weights`` count a tensor that every tp rank
+    holds alike once (see ``tp_norm_weight``)."""
     device = _group_device(state.comm.group)  # gloo reduces CPU tensors, NCCL CUDA ones
+    tp_group = state.tp_mesh.get_group(0) if state.tp_mesh is not None else None
     if math.isinf(p):
         # One tensor max, not Python's max() (which reads each comparison on the host).
         maxes = [g.abs().max().float().to(device) for g in grads if g.numel()]
         total = (torch.stack(maxes).max() if maxes else torch.zeros((), device=device)).reshape(1)
         with comm_phase(Phase.OPTIMIZER):
             total = state.comm.all_reduce_scalar(total.clone(), op="max")
+            if tp_group is not None:
+                with record_function("matrixfsdp::tp_norm_all_reduce"):
+                    dist.all_reduce(total, op=dist.ReduceOp.MAX, group=tp_group)
     else:
         local = torch.zeros(1, dtype=torch.float32, device=device)
-        for g in grads:
-            local += g.float().abs().pow(p).sum().to(device)
+        for g, weight in zip(grads, weights, strict=True):
+            local += g.float().abs().pow(p).sum().to(device) * weight
         with comm_phase(Phase.OPTIMIZER):
-            total = state.comm.all_reduce_scalar(local, op="sum").pow(1.0 / p)
+            total = state.comm.all_reduce_scalar(local, op="sum")
+            if tp_group is not None:
+                with record_function("matrixfsdp::tp_norm_all_reduce"):
+                    dist.all_reduce(total, group=tp_group)
+        total = total.pow(1.0 / p)
     return total.reshape(())
 
 
 # -- helpers ---------------------------------------------------------------------------------------
-def _local_grads(params: Iterable[nn.Parameter]) -> Iterable[torch.Tensor]:
+def _local_grads(state: MatrixFSDPState,
+                 params: Iterable[nn.Parameter]) -> tuple[list[torch.Tensor], list[float]]:
+    """Each gradient's local tensor, with its weight in a norm summed over the tp group."""
+    matrices = {id(mp.sharded): mp for mp in state.params.values()}
+    grads, weights = [], []
     for param in params:
         grad = param.grad
         if grad is None:
             continue
-        yield grad.to_local() if isinstance(grad, DTensor) else grad
+        grads.append(grad.to_local() if isinstance(grad, DTensor) else grad)
+        weights.append(tp_norm_weight(state, param, matrices.get(id(param))))
+    return grads, weights
 
 
 def _check_not_wrapped(model: nn.Module) -> None:
@@ -470,6 +493,7 @@ def _build_groups(
     comm: TorchOwnerComm,
     replicate: ReplicateComm | None,
     mp_policy: MixedPrecisionPolicy | None,
+    tp_layouts: Mapping[str, TpLayout | None],
     *,
     replicate_presence_flags: bool = True,
 ) -> list[MatrixGroup]:
@@ -485,7 +509,7 @@ def _build_groups(
             MatrixParam(
                 fqn=site.fqn, module=site.module, name=site.name, param=site.param,
                 owner_rank=int(placement.owner_rank),  # set for every matrix (Plan validates)
-                rank=comm.rank, compute_dtype=compute_dtype,
+                rank=comm.rank, compute_dtype=compute_dtype, tp=tp_layouts.get(site.fqn),
             )
         )
     groups = []

@@ -22,6 +22,11 @@
   and other ``nn.Module._apply`` conversions, ``load_state_dict(..., assign=True)``. ``refresh()``
   adopts the new tensor (checking its shape) and rebuilds ``unsharded`` on its device and dtype,
   re-pinning the owner's storage; the runtime calls it right after each such operation.
+- A TP matrix (see [Note: TP matrices] in ``runtime/tp.py``) is this same pair over its TP
+  shard: ``shape`` is the local shard's, ``sharded`` a plain tensor, and while the group computes
+  the module holds ``tp.as_dtensor(unsharded)``, a DTensor view whose autograd leaf is
+  ``unsharded``, created anew (grad enabled) each time it is swapped in so that it follows
+  ``requires_grad`` and a recomputation's graph reaches the leaf.
 - From ``to_empty`` until the first forward or ``quiesce()``, an owner's ``sharded`` parameter is
   in its *init window*: its class is ``_InitParam`` and ``init_rng`` holds its init stream (see
   [Note: matrix init RNG] in ``runtime/init_rng.py``).
@@ -36,6 +41,7 @@ import torch
 from torch import nn
 
 from .init_rng import MatrixInitRng, end_init_window
+from .tp import TpLayout
 
 __all__ = ["MatrixParam"]
 
@@ -53,8 +59,13 @@ class MatrixParam:
         owner_rank: int,
         rank: int,
         compute_dtype: torch.dtype | None = None,
+        tp: TpLayout | None = None,
     ) -> None:
         self.fqn = fqn
+        self.tp = tp
+        self._view: torch.Tensor | None = None  # a TP matrix's DTensor view, while swapped in
+        if tp is not None:  # own the TP shard as the matrix (see the Note)
+            param = nn.Parameter(param.to_local().detach(), requires_grad=param.requires_grad)
         self.module = module
         self.name = name
         self.owner_rank = owner_rank
@@ -99,8 +110,8 @@ class MatrixParam:
     def refresh(self) -> None:
         """Adopt the tensor now registered in the module (see the Note) and rebuild ``unsharded``."""
         current = self.module._parameters.get(self.name)
-        if current is self.unsharded:  # called mid-forward: nothing was replaced
-            return
+        if current is self.unsharded or (current is not None and current is self._view):
+            return  # called mid-forward: nothing was replaced
         if not isinstance(current, nn.Parameter):
             raise ValueError(
                 f"matrix {self.fqn!r} (shape {tuple(self.shape)}) was replaced by "
@@ -172,12 +183,19 @@ class MatrixParam:
 
     # -- module view ------------------------------------------------------------------------------
     def use_unsharded(self) -> None:
-        self.module._parameters[self.name] = self.unsharded
+        if self.tp is None:
+            self.module._parameters[self.name] = self.unsharded
+            return
+        with torch.enable_grad():  # the view must reach the leaf even if swapped in under no_grad
+            self._view = self.tp.as_dtensor(self.unsharded)
+        self.module._parameters[self.name] = self._view  # type: ignore[assignment]
 
     def use_sharded(self) -> None:
         # Only undo our own swap: a tensor put in its place from outside is left for refresh().
-        if self.module._parameters.get(self.name) is self.unsharded:
+        current = self.module._parameters.get(self.name)
+        if current is self.unsharded or (current is not None and current is self._view):
             self.module._parameters[self.name] = self.sharded
+            self._view = None
 
     def __repr__(self) -> str:
         return (

@@ -32,7 +32,6 @@ import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 from torch.nn.modules.conv import _ConvNd
 
@@ -211,10 +210,6 @@ def _validate_matrix(fqn: str, param: nn.Parameter, orientation: str) -> None:
         )
     if param.numel() == 0:
         raise ValueError(f"matrix {fqn!r} has shape {tuple(param.shape)} with no elements")
-    if isinstance(param, torch.distributed.tensor.DTensor):
-        raise ValueError(
-            f"matrix {fqn!r} is already a DTensor; apply fully_shard_matrix to the plain model"
-        )
 
 
 def param_specs(sites: Sequence[ParamSite]) -> list[ParamSpec]:

@@ -78,6 +78,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.autograd import Variable
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -137,8 +138,10 @@ class MatrixFSDPState:
         reshard_after_forward: bool,
         prefetch: bool = True,
         streams: RuntimeStreams | None = None,
+        tp_mesh: DeviceMesh | None = None,
     ) -> None:
         self.root = root
+        self.tp_mesh = tp_mesh  # the tp mesh of a TP-parallelized model (see [Note: TP matrices])
         self.plan = plan
         self.groups = list(groups)
         self.comm = comm
@@ -292,14 +295,15 @@ class MatrixFSDPState:
                 nxt = self._neighbor(self._last_forward_order, group, +1)
                 if nxt is not None:
                     self._prefetch(nxt)
+        if torch.is_grad_enabled():
+            if group.trainable:
+                group.needs_reduce = True
+            if not recompute or group.calls_pending == 0:  # else non-reentrant: it is pending
+                args, kwargs = self._register_post_backward(group, args, kwargs)
+        # After the post-backward node: a TP matrix's DTensor view is created now, so autograd
+        # runs the view's backward (a later node) before the post-backward reads its gradient.
         group.use_unsharded()
-        if not torch.is_grad_enabled():
-            return args, kwargs
-        if group.trainable:
-            group.needs_reduce = True
-        if recompute and group.calls_pending > 0:  # non-reentrant: the forward's call is pending
-            return args, kwargs
-        return self._register_post_backward(group, args, kwargs)
+        return args, kwargs
 
     def _register_post_backward(self, group: MatrixGroup, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         flat, spec = tree_flatten((args, kwargs))

@@ -37,11 +37,12 @@ import logging
 import math
 import weakref
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from .matrix_param import MatrixParam
@@ -70,6 +71,57 @@ def matrix_placements(state: MatrixFSDPState) -> tuple[Placement, ...]:
     return (Replicate(), Shard(0)) if state.mesh.ndim == 2 else (Shard(0),)
 
 
+class ViewLayout(NamedTuple):
+    """Where a matrix DTensor lives: its mesh and placements, the dim its shard-group chunks cut,
+    and its global shape (the owner's tensor is that shape, or its TP shard)."""
+
+    mesh: DeviceMesh
+    placements: tuple[Placement, ...]
+    dim: int
+    global_shape: tuple[int, ...]
+
+
+def view_layout(state: MatrixFSDPState, mp: MatrixParam) -> ViewLayout:
+    """A plain matrix: ``Shard(0)`` over the shard dim. A TP matrix (see [Note: TP matrices]):
+    the shard dim cuts the other dim of the TP shard, over the dp dims and tp together, so the
+    DTensor is the global matrix and ``full_tensor()`` needs no strided placements."""
+    if mp.tp is None:
+        return ViewLayout(state.mesh, matrix_placements(state), 0, tuple(mp.shape))
+    dim = 1 - mp.tp.shard_dim
+    dp: tuple[Placement, ...] = (Replicate(), Shard(dim)) if state.mesh.ndim == 2 else (Shard(dim),)
+    return ViewLayout(dp_tp_mesh(state.mesh, mp.tp.mesh), (*dp, Shard(mp.tp.shard_dim)), dim,
+                      mp.tp.global_shape)
+
+
+def dp_tp_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
+    """The data-parallel dims and the tp dim of one root mesh, as one mesh (no new groups)."""
+    concatenate = getattr(DeviceMesh, "_concatenate", None)
+    try:
+        if concatenate is not None:
+            return concatenate([dp_mesh, tp_mesh])
+        names = (*(dp_mesh.mesh_dim_names or ()), *(tp_mesh.mesh_dim_names or ()))
+        root = _root_mesh(dp_mesh)  # older torch: slice the dp mesh's root by name
+        combined = root[names]
+        if combined[tp_mesh.mesh_dim_names] == tp_mesh:
+            return combined
+    except (RuntimeError, KeyError, ValueError, TypeError):
+        pass
+    raise ValueError(
+        f"the data-parallel mesh (dims {dp_mesh.mesh_dim_names}) and the tp mesh (dims "
+        f"{tp_mesh.mesh_dim_names}) must be disjoint named dims of one mesh: build it with "
+        "init_device_mesh(type, (dp, tp), mesh_dim_names=('dp', 'tp'))"
+    )
+
+
+def _root_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    get_root = getattr(mesh, "_get_root_mesh", None)
+    if get_root is not None:
+        return get_root()
+    from torch.distributed.device_mesh import _mesh_resources  # older torch
+
+    return _mesh_resources.get_root_mesh(mesh)
+
+
 def comm_device(state: MatrixFSDPState) -> torch.device:
     """Where the shard group's collectives run and DTensor chunks live (the mesh's device)."""
     if state.mesh.device_type == "cuda":
@@ -96,31 +148,45 @@ def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-def _as_dtensor(local: torch.Tensor, state: MatrixFSDPState, shape: Sequence[int]) -> DTensor:
-    return DTensor.from_local(local, state.mesh, matrix_placements(state), run_check=False,
-                              shape=torch.Size(shape), stride=_contiguous_stride(shape))
+def _as_dtensor(local: torch.Tensor, state: MatrixFSDPState, shape: Sequence[int],
+                layout: ViewLayout | None = None) -> DTensor:
+    if layout is None:
+        return DTensor.from_local(local, state.mesh, matrix_placements(state), run_check=False,
+                                  shape=torch.Size(shape), stride=_contiguous_stride(shape))
+    if layout.dim:  # chunks travel as rows of the transposed tensor
+        local = local.transpose(0, layout.dim).contiguous()
+    return DTensor.from_local(local, layout.mesh, layout.placements, run_check=False,
+                              shape=torch.Size(layout.global_shape),
+                              stride=_contiguous_stride(layout.global_shape))
 
 
 def scatter_from_owner(state: MatrixFSDPState, owner_rank: int, whole: torch.Tensor | None,
-                       shape: Sequence[int], dtype: torch.dtype) -> DTensor:
+                       shape: Sequence[int], dtype: torch.dtype,
+                       layout: ViewLayout | None = None) -> DTensor:
     """The matrix DTensor of a tensor of ``shape`` that the owner holds whole (see the Note).
 
     Collective over the shard group. ``whole`` is the owner's tensor (``None`` elsewhere). Row
     chunks are padded to one size for the scatter (gloo needs equal sizes); at a shard size of
-    one the owner's tensor is the chunk (no copy, as FSDP2's one-rank shards).
+    one the owner's tensor is the chunk (no copy, as FSDP2's one-rank shards). ``layout``: a TP
+    matrix's (``view_layout``); its chunks cut ``layout.dim``.
     """
     shape = tuple(shape)
+    if layout is not None and layout.dim:
+        swapped = list(shape)
+        swapped[0], swapped[layout.dim] = swapped[layout.dim], swapped[0]
+        shape = tuple(swapped)
+        whole = None if whole is None else whole.transpose(0, layout.dim)
     group = _shard_group(state)
     parts, me = dist.get_world_size(group), dist.get_rank(group)
     device = comm_device(state)
     if parts == 1:
         assert whole is not None  # one rank in the shard group: it owns every matrix
-        return _as_dtensor(whole.detach().to(device), state, shape)
+        return _as_dtensor(whole.detach().to(device), state, shape, layout)
     size = -(-shape[0] // parts)
     lo, hi = _row_bounds(shape[0], parts, me)
     if math.prod(shape) == 0:  # nothing to move
         return _as_dtensor(torch.empty((hi - lo, *shape[1:]), dtype=dtype, device=device),
-                           state, shape)
+                           state, shape, layout)
     received = torch.empty((size, *shape[1:]), dtype=dtype, device=device)
     chunks = None
     if whole is not None:
@@ -134,7 +200,7 @@ def scatter_from_owner(state: MatrixFSDPState, owner_rank: int, whole: torch.Ten
             chunks.append(chunk.contiguous())
     dist.scatter(received, chunks, src=dist.get_global_rank(group, owner_rank), group=group)
     local = received[: hi - lo]
-    return _as_dtensor(local if hi - lo == size else local.clone(), state, shape)
+    return _as_dtensor(local if hi - lo == size else local.clone(), state, shape, layout)
 
 
 def _is_matrix_layout(value: DTensor, state: MatrixFSDPState, shape: Sequence[int]) -> bool:
@@ -159,17 +225,40 @@ def gather_to_owner(state: MatrixFSDPState, owner_rank: int, value: DTensor) -> 
     if not _is_matrix_layout(value, state, shape):
         whole = value.full_tensor()
         return whole if mine else None
+    return _gather_rows(state, owner_rank, value.to_local().detach(), shape)
+
+
+def gather_tp_to_owner(state: MatrixFSDPState, mp: MatrixParam,
+                       value: DTensor) -> torch.Tensor | None:
+    """A TP matrix's shard of this tp rank from a DTensor of the global matrix, on the owner
+    row (``None`` elsewhere); collective over the shard group, or ``full_tensor()``."""
+    assert mp.tp is not None  # called for TP matrices only
+    layout = view_layout(state, mp)
+    if (value.device_mesh == layout.mesh and tuple(value.placements) == layout.placements
+            and tuple(value.shape) == layout.global_shape):
+        rows = value.to_local().detach().transpose(0, layout.dim)
+        rows_shape = list(mp.shape)
+        rows_shape[0], rows_shape[layout.dim] = rows_shape[layout.dim], rows_shape[0]
+        whole = _gather_rows(state, mp.owner_rank, rows, tuple(rows_shape))
+        return None if whole is None else whole.transpose(0, layout.dim).contiguous()
+    full = value.full_tensor()
+    return mp.tp.slice_of(full, mp.tp.tp_rank).contiguous() if mp.is_owner else None
+
+
+def _gather_rows(state: MatrixFSDPState, owner_rank: int, local: torch.Tensor,
+                 shape: tuple[int, ...]) -> torch.Tensor | None:
+    """Row chunks (``torch.chunk`` of ``shape[0]`` over the shard group) gathered on the owner."""
     group = _shard_group(state)
     parts = dist.get_world_size(group)
-    local = value.to_local().detach()
+    mine = owner_rank == dist.get_rank(group)
     if parts == 1:
         return local
     if math.prod(shape) == 0:
-        return torch.empty(shape, dtype=value.dtype, device=local.device) if mine else None
+        return torch.empty(shape, dtype=local.dtype, device=local.device) if mine else None
     size = -(-shape[0] // parts)
     send = local if local.shape[0] == size else torch.cat(
         [local, local.new_zeros((size - local.shape[0], *shape[1:]))])
-    received = (torch.empty((size * parts, *shape[1:]), dtype=value.dtype, device=local.device)
+    received = (torch.empty((size * parts, *shape[1:]), dtype=local.dtype, device=local.device)
                 if mine else None)
     pieces = list(received.split(size)) if received is not None else None
     dist.gather(send.contiguous(), pieces, dst=dist.get_global_rank(group, owner_rank), group=group)
@@ -240,9 +329,10 @@ class StateDictView:
                     f"the owner of matrix {mp.fqn!r} (shape {tuple(mp.shape)}) holds a tensor of "
                     f"shape {tuple(value.shape)}; call state_dict() outside forward/backward"
                 )
+            layout = view_layout(self.state, mp) if mp.tp is not None else None
             state_dict[key] = scatter_from_owner(self.state, mp.owner_rank,
                                                  value if mp.is_owner else None, mp.shape,
-                                                 value.dtype)
+                                                 value.dtype, layout)
 
     # load_state_dict(): anything -> the owner's whole matrix, or a placeholder
     def _receive(self, params: list[MatrixParam], module: nn.Module, state_dict: dict[str, Any],
@@ -253,6 +343,8 @@ class StateDictView:
                 state_dict[key] = self._incoming(mp, state_dict[key])
 
     def _incoming(self, mp: MatrixParam, value: Any) -> Any:
+        if mp.tp is not None:
+            return self._incoming_tp(mp, value)
         if isinstance(value, DTensor):
             if tuple(value.shape) != tuple(mp.shape):
                 raise ValueError(
@@ -265,6 +357,23 @@ class StateDictView:
                 and tuple(value.shape) == tuple(mp.shape)):
             return _placeholder(mp, value.dtype)
         return value  # the owner's whole matrix, a placeholder, or a mismatch torch reports
+
+    def _incoming_tp(self, mp: MatrixParam, value: Any) -> Any:
+        """A TP matrix takes the global matrix (DTensor or plain) or this rank's TP shard."""
+        assert mp.tp is not None  # routed here for TP matrices only
+        shape = mp.tp.global_shape
+        if isinstance(value, torch.Tensor) and tuple(value.shape) == shape:
+            if isinstance(value, DTensor):
+                mine = gather_tp_to_owner(self.state, mp, value)
+            else:
+                mine = mp.tp.slice_of(value.detach(), mp.tp.tp_rank).contiguous()
+            return mine if mp.is_owner else _placeholder(mp, value.dtype)
+        if isinstance(value, DTensor):
+            raise ValueError(
+                f"TP matrix {mp.fqn!r} (global shape {shape}) got a DTensor of global shape "
+                f"{tuple(value.shape)}; load a state dict of this model"
+            )
+        return value  # this rank's TP shard, a placeholder, or a mismatch torch reports
 
     def _receive_tail(self, module: nn.Module, state_dict: dict[str, Any], prefix: str,
                       *args: Any) -> None:
