@@ -24,10 +24,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
+    SequenceParallel,
     parallelize_module,
 )
 
@@ -145,6 +148,66 @@ def _state_dict_api(rank: int, world: int, hsdp: bool, path: str) -> None:
     assert torch.allclose(lm_loss(model, tokens), lm_loss(ref, tokens), rtol=1e-6, atol=0)
 
 
+# A Hugging Face Llama decoder layer parallelized as torchtitan parallelizes its own: norms
+# SequenceParallel (sequence-sharded activations, replicated weights in the tail), attention and
+# MLP Colwise in / Rowwise out to sequence shards; the layer takes and returns the full sequence.
+HF_LLAMA_PLAN = {
+    "": PrepareModuleInputOutput(
+        input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_input=False,
+        output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),), use_local_output=True),
+    "input_layernorm": SequenceParallel(),
+    "self_attn": PrepareModuleInput(
+        input_kwarg_layouts={"hidden_states": Shard(1)},
+        desired_input_kwarg_layouts={"hidden_states": Replicate()}, use_local_output=True),
+    "self_attn.q_proj": ColwiseParallel(),
+    "self_attn.k_proj": ColwiseParallel(),
+    "self_attn.v_proj": ColwiseParallel(),
+    "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+    "post_attention_layernorm": SequenceParallel(),
+    "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                              use_local_output=True),
+    "mlp.gate_proj": ColwiseParallel(),
+    "mlp.up_proj": ColwiseParallel(),
+    "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+}
+
+
+def _hf_llama(rank: int, world: int) -> None:
+    transformers = pytest.importorskip("transformers")
+    dp, tp = _meshes(hsdp=False)
+    config = transformers.LlamaConfig(
+        vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, intermediate_size=24, max_position_embeddings=64,
+        attention_dropout=0.0)
+    torch.manual_seed(0)
+    ref = transformers.LlamaForCausalLM(config).train()
+    model = copy.deepcopy(ref)
+    for layer in model.model.layers:
+        parallelize_module(layer, tp, HF_LLAMA_PLAN)
+    mf.fully_shard_matrix(model, dp)
+    assert sum(mp.tp is not None for mp in mf.get_state(model).params.values()) == 14
+    me, batches = _dp_coords(dp)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for step in range(3):
+        tokens = torch.randint(0, 50, (4, 9), generator=torch.Generator().manual_seed(step))
+        _hf_loss(model, tokens.chunk(batches)[me]).backward()
+        (sum(_hf_loss(ref, t) for t in tokens.chunk(batches)) / batches).backward()
+        if step == 0:
+            _check_grads(model, ref)
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        assert_close_dicts(_full_params(model), reference_values(ref), 1e-5, f"HF step {step + 1}")
+
+
+def _hf_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    logits = model(input_ids=tokens[:, :-1], use_cache=False).logits
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                       tokens[:, 1:].reshape(-1))
+
+
 def _errors(rank: int, world: int) -> None:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(0)
@@ -170,6 +233,7 @@ def _cases(rank: int, world: int, path: str) -> None:
         "hsdp 1x2 x tp2 training": lambda: _training(rank, world, hsdp=True),
         "state-dict api": lambda: _state_dict_api(rank, world, False, path + "/flat"),
         "state-dict api hsdp": lambda: _state_dict_api(rank, world, True, path + "/hsdp"),
+        "hf llama, torchtitan-style plan with sequence parallel": lambda: _hf_llama(rank, world),
         "errors": lambda: _errors(rank, world),
     })
 
