@@ -1,15 +1,22 @@
 """The TP step exchange (matrixfsdp.optim.tp_step) against single-process full-matrix steps.
 
-TP layouts are built by hand (``distribute_tensor`` on ``mesh["tp"]`` + ``tp_layout_of``), so
-these tests need no wrapped model: world 4 as dp 2 x tp 2 and dp 1 x tp 4, world 3 as tp 3,
-world 2 as tp 2. Matrix ``i`` belongs to dp row ``i % dp`` (its owner row). The reference steps
-each whole matrix in one process with the registered step function called directly.
+Core: TP layouts built by hand (``distribute_tensor`` on ``mesh["tp"]`` + ``tp_layout_of``), no
+wrapped model: world 4 as dp 2 x tp 2 and dp 1 x tp 4, world 3 as tp 3, world 2 as tp 2. Matrix
+``i`` belongs to dp row ``i % dp`` (its owner row). The reference steps each whole matrix in one
+process with the registered step function called directly.
+
+End to end: a ``TinyTransformer`` whose MLPs are ``parallelize_module``'d (Colwise ``up``, Rowwise
+``down``) and wrapped by ``fully_shard_matrix(model, mesh["dp"])``, ``MatrixOptimizer`` Muon
+against a single-process model stepped with the registered Muon on whole matrices and AdamW on
+the rest, 3 steps at dp 2 x tp 2.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 from unittest import mock
 
@@ -17,9 +24,12 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+import matrixfsdp as mf
 from matrixfsdp.optim import get_matrix_optimizer, tp_step
 from matrixfsdp.optim.offload import make_state_placement
 from matrixfsdp.optim.tp_step import (
@@ -28,11 +38,13 @@ from matrixfsdp.optim.tp_step import (
     assign_step_owners,
     step_cost,
     step_tp_matrices,
+    tp_step_owners,
 )
 from matrixfsdp.runtime.tp import tp_layout_of
 
-from .checks import FREE_RUNNING_KWARGS, count_collectives
+from .checks import FREE_RUNNING_KWARGS, assert_close_dicts, count_collectives, reference_values
 from .dist_utils import run_subtests, run_world
+from .models import TinyTransformer, global_batch, lm_loss, local_batch
 
 OPTIMIZERS = ["muon", "shampoo", "soap", "okls", "emagram", "adamw"]
 # (global shape, TP shard dim): both dims, uneven torch.chunk sizes (10 over 3 or 4; 5 over 4
@@ -223,7 +235,8 @@ def _shard_local_muon_differs(mesh: DeviceMesh) -> None:
     assert worst > 1000 * RTOL, worst
 
 
-def _world(rank: int, world: int, meshes: list[tuple[int, int]], names: list[str]) -> None:
+def _world(rank: int, world: int, meshes: list[tuple[int, int]], names: list[str],
+           end_to_end: bool) -> None:
     subtests: dict[str, Callable[[], None]] = {}
     for dp, tp in meshes:
         mesh = _mesh(dp, tp)
@@ -238,16 +251,152 @@ def _world(rank: int, world: int, meshes: list[tuple[int, int]], names: list[str
         subtests[f"{dp}x{tp} bytes"] = functools.partial(_bytes_exact_and_tp_only, mesh)
         subtests[f"{dp}x{tp} shard-local differs"] = functools.partial(
             _shard_local_muon_differs, mesh)
+        if end_to_end and (dp, tp) == (2, 2):  # one world: the end-to-end checks join it
+            subtests.update(_e2e_subtests(mesh))
     run_subtests(rank, subtests)
 
 
-@pytest.mark.parametrize(("world", "meshes", "names"), [
-    (4, [(2, 2), (1, 4)], OPTIMIZERS),
-    (3, [(1, 3)], OPTIMIZERS),
-    (2, [(1, 2)], ["muon", "adamw"]),
-], ids=["world4-dp2tp2-dp1tp4", "world3-tp3", "world2-tp2"])
-def test_tp_step_matches_full_matrix_step(world: int, meshes: list, names: list) -> None:
-    run_world(world, _world, meshes, names)
+@pytest.mark.parametrize(("world", "meshes", "names", "end_to_end"), [
+    (4, [(2, 2), (1, 4)], OPTIMIZERS, True),
+    (3, [(1, 3)], OPTIMIZERS, False),
+    (2, [(1, 2)], ["muon", "adamw"], False),
+], ids=["world4-dp2tp2-dp1tp4-e2e", "world3-tp3", "world2-tp2"])
+def test_tp_step_matches_full_matrix_step(world: int, meshes: list, names: list,
+                                          end_to_end: bool) -> None:
+    """Core checks at every mesh; at world 4 also the end-to-end Muon run (one world)."""
+    run_world(world, _world, meshes, names, end_to_end)
+
+
+# -- end to end: parallelize_module + fully_shard_matrix + MatrixOptimizer ---------------------
+E2E = {"lr": 0.02, "weight_decay": 0.01, "tail_lr": 1e-2, "tail_weight_decay": 0.1}
+
+
+def _e2e_model(ref: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    model = copy.deepcopy(ref)
+    for block in model.layers:
+        parallelize_module(block, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    return mf.fully_shard_matrix(model, mesh["dp"])
+
+
+class _E2EReference:
+    """One process: the registered Muon on each whole matrix, torch's AdamW on the rest."""
+
+    def __init__(self, ref: nn.Module, matrix_fqns: set[str]) -> None:
+        self.spec = get_matrix_optimizer("muon")
+        self.hyper = {"lr": E2E["lr"], "weight_decay": E2E["weight_decay"],
+                      "initial_lr": E2E["lr"], "config": self.spec.make_config({"ns_dtype":
+                                                                                "float32"})}
+        named = dict(ref.named_parameters())
+        self.matrices = {f: named[f] for f in sorted(matrix_fqns)}
+        self.state = {f: self.spec.init_state_fn(p.detach(), self.hyper["config"])
+                      for f, p in self.matrices.items()}
+        self.tail = torch.optim.AdamW([p for f, p in named.items() if f not in matrix_fqns],
+                                      lr=E2E["tail_lr"], weight_decay=E2E["tail_weight_decay"])
+        self.steps = 0
+
+    @torch.no_grad()
+    def step(self) -> None:
+        self.steps += 1
+        for fqn, p in self.matrices.items():
+            if p.grad is not None:  # the blocks' ``unused`` matrices get none
+                self.spec.step_fn(p, p.grad, self.state[fqn], step=self.steps, **self.hyper)
+        self.tail.step()
+        self.tail.zero_grad()
+        for p in self.matrices.values():
+            p.grad = None
+
+
+def _dp_rank(mesh: DeviceMesh) -> tuple[int, int]:
+    return mesh["dp"].get_local_rank(), mesh["dp"].size()
+
+
+def _expected_tp_bytes(model: nn.Module, mesh: DeviceMesh) -> int:
+    """The model's figure for this rank: per TP matrix of its row, its parameter and gradient
+    shards to the step owner, or (as step owner) the other shards' parameters back; fp32."""
+    row = [mp for mp in mf.get_state(model).params.values() if mp.tp is not None and mp.is_owner]
+    owners = tp_step_owners([(mp.fqn, mp.tp) for mp in row], "muon")
+    me, size = mesh["tp"].get_local_rank(), mesh["tp"].size()
+    numel = lambda mp, r: math.prod(mp.tp.shape_on(r))  # noqa: E731
+    return sum(8 * numel(mp, me) if owner != me else
+               sum(4 * numel(mp, r) for r in range(size) if r != me)
+               for mp, owner in zip(row, owners, strict=True))
+
+
+def _e2e_muon(mesh: DeviceMesh, offload: bool) -> None:
+    """3 Muon steps equal the single-process full-matrix steps; the step crosses no dp link."""
+    torch.manual_seed(0)
+    ref = TinyTransformer(dim=16, hidden=40, layers=2)
+    model = _e2e_model(ref, mesh)
+    runtime = mf.get_state(model)
+    assert {f for f, mp in runtime.params.items() if mp.tp is not None} == {
+        f"layers.{i}.{m}.weight" for i in range(2) for m in ("up", "down")}
+    opt = mf.MatrixOptimizer(model, "muon", **E2E, ns_dtype="float32",
+                             offload_state="cpu" if offload else None, skip_nonfinite=offload)
+    reference = _E2EReference(ref, set(runtime.params))
+    (me, batches), row_has_tp = _dp_rank(mesh), any(
+        mp.tp is not None and mp.is_owner for mp in runtime.params.values())
+    for step in range(3):
+        tokens = global_batch(step)
+        if offload and step == 1:
+            _skipped_step(model, opt, local_batch(tokens, me, batches), mesh)
+        lm_loss(model, local_batch(tokens, me, batches)).backward()
+        sum(lm_loss(ref, local_batch(tokens, i, batches)) for i in range(batches)).div(
+            batches).backward()
+        runtime.comm.counter.reset()
+        calls = count_collectives(opt.step)
+        if not offload:  # the TP exchanges only (skip_nonfinite adds the norm's reduction)
+            assert calls == 2 * row_has_tp, calls
+            assert runtime.comm.counter.snapshot()["optimizer"]["calls"] == 0
+        assert opt.tp_step_bytes == _expected_tp_bytes(model, mesh)
+        reference.step()
+        opt.zero_grad()
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    assert_close_dicts({k: v.detach().cpu() for k, v in full.items()}, reference_values(ref),
+                       1e-5, f"TP Muon, 3 steps (offload={offload})")
+    _check_tp_state(model, opt, mesh)
+
+
+def _skipped_step(model: nn.Module, opt: mf.MatrixOptimizer, tokens: torch.Tensor,
+                  mesh: DeviceMesh) -> None:
+    """A NaN in one TP shard's gradient on one rank: every rank skips, nothing changes."""
+    before = {f: p.detach().clone() for f, p in model.named_parameters()}
+    lm_loss(model, tokens).backward()
+    runtime = mf.get_state(model)
+    if dist.get_rank() == 0:
+        mp = next(mp for mp in runtime.params.values() if mp.tp is not None and mp.is_owner)
+        mp.sharded.grad.view(-1)[0] = float("nan")
+    opt.step()
+    assert opt.last_step_skipped and opt.tp_step_bytes == 0
+    for f, p in model.named_parameters():
+        assert torch.equal(p.detach(), before[f]), f"{f} changed in a skipped step"
+    opt.zero_grad()
+
+
+def _check_tp_state(model: nn.Module, opt: mf.MatrixOptimizer, mesh: DeviceMesh) -> None:
+    """Whole-matrix state on the step owner only."""
+    runtime = mf.get_state(model)
+    row = [mp for mp in runtime.params.values() if mp.tp is not None and mp.is_owner]
+    owners = tp_step_owners([(mp.fqn, mp.tp) for mp in row], "muon")
+    for mp, owner in zip(row, owners, strict=True):
+        if owner == mesh["tp"].get_local_rank():
+            assert opt.state[mp.sharded]["momentum_buffer"].shape == mp.tp.global_shape, mp.fqn
+        else:
+            assert mp.sharded not in opt.state, f"{mp.fqn}: state off its step owner"
+
+
+def _e2e_torch_class_refused(mesh: DeviceMesh) -> None:
+    torch.manual_seed(0)
+    model = _e2e_model(TinyTransformer(dim=16, hidden=40, layers=2), mesh)
+    with pytest.raises(NotImplementedError, match=r"TP matrix 'layers\.0\.up\.weight'.*'muon'"):
+        mf.MatrixOptimizer(model, torch.optim.SGD)
+
+
+def _e2e_subtests(mesh: DeviceMesh) -> dict[str, Callable[[], None]]:
+    return {
+        "e2e muon": functools.partial(_e2e_muon, mesh, False),
+        "e2e muon offload+skip_nonfinite": functools.partial(_e2e_muon, mesh, True),
+        "e2e torch class refused": functools.partial(_e2e_torch_class_refused, mesh),
+    }
 
 
 # -- single process -------------------------------------------------------------------------------

@@ -245,8 +245,7 @@ class _InFlight:
 
     def wait(self) -> list[list[Tensor]]:
         """Per source tp rank, its segments as typed views of the receive buffer."""
-        if self.work is not None:
-            self.work.wait()
+        self.work.wait()
         self._inp = None
         views, base = [], 0
         for segs, (offsets, size) in zip(self.recv, self.recv_layouts, strict=True):
