@@ -133,3 +133,25 @@ def test_every_optimizer_trains(tmp_path: Path) -> None:
 def test_cli_errors_are_clean(args: list[str]) -> None:
     proc = _cli(*args, check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
+
+
+def test_plan_with_tensor_parallelism(capsys: pytest.CaptureFixture[str]) -> None:
+    """``plan --tp``: the dp ranks of one tp group plan the global shapes (as the runtime does)."""
+    from matrixfsdp.launch.cli import main
+    from matrixfsdp.launch.plan_cmd import plan_for_model
+
+    assert main(["plan", "--world-size", "64", "--tp", "8", "--model", "llama3-8b"]) == 0
+    out = capsys.readouterr().out
+    assert "8 dp ranks x 8 tp ranks" in out and "1/8 of the bytes" in out
+    with_tp = plan_for_model("llama3-8b", 64, tp=8)
+    assert with_tp.plan_hash() == plan_for_model("llama3-8b", 8).plan_hash()
+    assert main(["plan", "--world-size", "64", "--tp", "3"]) == 2
+    assert "--tp 3 must be a positive divisor" in capsys.readouterr().err
+
+
+def test_tp_config_must_split_heads_and_hidden() -> None:
+    from matrixfsdp.launch.config import ConfigError, load_config
+
+    assert load_config(None, tp=2).tp == 2
+    with pytest.raises(ConfigError, match=r"model\.heads \(4\) must be divisible by tp \(3\)"):
+        load_config(None, tp=3)

@@ -27,6 +27,8 @@ def _override_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="output directory (default: runs/default)")
     p.add_argument("--replicate", type=int, help="HSDP: replicas (e.g. nodes); ranks = "
                    "replicate x shard size; default 1 = flat owner sharding over all ranks")
+    p.add_argument("--tp", type=int, help="tensor-parallel ranks per data-parallel rank "
+                   "(innermost; ranks = replicate x shard x tp); default 1 = no TP")
     p.add_argument("--skip-nonfinite", action=argparse.BooleanOptionalAction, default=None,
                    help="skip steps whose global gradient norm is inf/NaN (default: on)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -43,7 +45,7 @@ def config_overrides(argv: list[str], prog: str = "matrixfsdp train") -> dict[st
         raise SystemExit(f"{prog}: unrecognized arguments: {' '.join(unknown)}")
     overrides: dict[str, Any] = {"optimizer": args.optimizer, "steps": args.steps,
                                  "nproc": args.nproc, "out": args.out,
-                                 "replicate": args.replicate,
+                                 "replicate": args.replicate, "tp": args.tp,
                                  "skip_nonfinite": args.skip_nonfinite}
     for item in args.set:
         key, sep, value = item.partition("=")
@@ -85,10 +87,10 @@ def _cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
     except (ConfigError, ValueError) as exc:  # bad config; checkpoints there and no flag
         print(f"matrixfsdp train: {exc}", file=sys.stderr)
         return 2
-    if args.tr_nnodes is None and cfg.nproc % cfg.replicate:  # one node: the world is known
-        print(f"matrixfsdp train: --replicate {cfg.replicate} does not divide the {cfg.nproc} "
-              f"ranks (ranks = replicate x shard size); choose a divisor of {cfg.nproc}",
-              file=sys.stderr)
+    if args.tr_nnodes is None and cfg.nproc % (cfg.replicate * cfg.tp):  # the world is known
+        print(f"matrixfsdp train: --replicate {cfg.replicate} x --tp {cfg.tp} does not divide "
+              f"the {cfg.nproc} ranks (ranks = replicate x shard size x tp); choose divisors of "
+              f"{cfg.nproc}", file=sys.stderr)
         return 2
     if args.overwrite:
         faults.move_aside(out)
@@ -125,15 +127,17 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     cap = int(args.memory_cap_gib * 1024**3) if args.memory_cap_gib else None
     try:
         plan = plan_for_model(args.model, args.world_size, args.optimizer, cap,
-                              replicate=args.replicate)
+                              replicate=args.replicate, tp=args.tp)
     except ValueError as exc:
         print(f"matrixfsdp plan: {exc}", file=sys.stderr)
         return 2
     if args.json:
         print(plan.to_json(indent=2))
     else:
-        mesh = "" if args.replicate == 1 else (
-            f" = {args.replicate} replicas x {plan.world_size} (HSDP; ranks below: one replica)")
+        mesh = "" if args.replicate == 1 and args.tp == 1 else (
+            f" = {args.replicate} replicas x {plan.world_size} dp ranks x {args.tp} tp ranks "
+            "(ranks below: the dp ranks of one replica; each holds its matrices' TP shards, "
+            f"1/{args.tp} of the bytes below per GPU)")
         print(format_plan(plan, title=f"owner plan for {args.model} on {args.world_size} ranks"
                                       f"{mesh} (cost: {args.optimizer})"))
     return 0
@@ -183,6 +187,9 @@ def _parser() -> argparse.ArgumentParser:
                       choices=["muon", "shampoo", "soap", "okls", "emagram", "adamw"])
     plan.add_argument("--replicate", type=int, default=1,
                       help="HSDP replicas: plan over world-size / replicate ranks per replica")
+    plan.add_argument("--tp", type=int, default=1,
+                      help="tensor-parallel ranks (innermost): plan over world-size / (replicate "
+                      "x tp) dp ranks; the TP shards of each matrix live on its owner's tp ranks")
     plan.add_argument("--memory-cap-gib", type=float, help="max matrix GiB per rank")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     inspect = sub.add_parser("inspect", help="print a checkpoint's layout, step and sizes")

@@ -78,6 +78,9 @@ class TrainConfig(BaseModel):
     out: str = "runs/default"
     nproc: int = Field(2, ge=1)
     replicate: int = Field(1, ge=1)  # HSDP replicas: ranks = replicate x shard size (1 = flat)
+    # Tensor parallelism inside each data-parallel rank group: ranks = replicate x shard x tp;
+    # the blocks' attention and MLP are parallelize_module'd (Colwise in, Rowwise out).
+    tp: int = Field(1, ge=1)
     # HSDP: presence flags in the all-reduce over replicas (fully_shard_matrix's keyword).
     replicate_presence_flags: bool = True
 
@@ -116,6 +119,10 @@ class TrainConfig(BaseModel):
     def _sane(self) -> TrainConfig:
         if self.warmup_steps >= self.steps:
             raise ValueError(f"warmup_steps ({self.warmup_steps}) must be < steps ({self.steps})")
+        for name in ("heads", "hidden"):
+            if getattr(self.model, name) % self.tp:
+                raise ValueError(f"model.{name} ({getattr(self.model, name)}) must be divisible "
+                                 f"by tp ({self.tp}): tensor parallelism splits it over tp ranks")
         return self
 
 

@@ -7,26 +7,30 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from .config import ModelConfig
 
-__all__ = ["GPT"]
+__all__ = ["GPT", "parallelize_gpt"]
 
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, dim: int, heads: int) -> None:
         super().__init__()
-        self.heads = heads
+        self.heads, self.head_dim = heads, dim // heads
         self.q = nn.Linear(dim, dim, bias=False)
         self.k = nn.Linear(dim, dim, bias=False)
         self.v = nn.Linear(dim, dim, bias=False)
         self.o = nn.Linear(dim, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = (lin(x).view(b, t, self.heads, -1).transpose(1, 2) for lin in (self.q, self.k, self.v))
+        b, t, _ = x.shape
+        # -1 heads: under tensor parallelism each rank computes its own heads.
+        q, k, v = (lin(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+                   for lin in (self.q, self.k, self.v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o(y.transpose(1, 2).reshape(b, t, d))
+        return self.o(y.transpose(1, 2).reshape(b, t, -1))
 
 
 class Block(nn.Module):
@@ -75,3 +79,13 @@ class GPT(nn.Module):
     def loss(self, batch: torch.Tensor) -> torch.Tensor:
         logits = self(batch[:, :-1])
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+
+
+def parallelize_gpt(model: GPT, tp_mesh: DeviceMesh) -> GPT:
+    """Megatron-style tensor parallelism of every block on ``tp_mesh``: q, k, v and ``up``
+    column-parallel (each rank its heads and hidden units), ``o`` and ``down`` row-parallel."""
+    plan = {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
+            "attn.o": RowwiseParallel(), "up": ColwiseParallel(), "down": RowwiseParallel()}
+    for block in model.layers:
+        parallelize_module(block, tp_mesh, plan)
+    return model

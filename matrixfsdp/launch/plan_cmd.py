@@ -13,13 +13,23 @@ _COST_OF_OPTIMIZER = {
 
 
 def plan_for_model(model: str, world_size: int, optimizer: str = "muon",
-                   memory_cap_bytes: int | None = None, *, replicate: int = 1) -> Plan:
+                   memory_cap_bytes: int | None = None, *, replicate: int = 1,
+                   tp: int = 1) -> Plan:
     """The plan of ``model`` on ``world_size`` ranks; with ``replicate`` > 1 (HSDP) the plan of
-    one replica's shard group of ``world_size / replicate`` ranks (see [Note: HSDP mesh])."""
+    one replica's shard group of ``world_size / replicate`` ranks (see [Note: HSDP mesh]); with
+    ``tp`` > 1 over ``world_size / (replicate x tp)`` dp ranks, from the global shapes, as the
+    runtime plans TP matrices (see [Note: TP matrices])."""
     from .presets import PRESETS, preset_specs, specs_from_factory
 
     if world_size < 1:
         raise ValueError(f"--world-size must be >= 1, got {world_size}")
+    if tp < 1 or world_size % tp:
+        raise ValueError(
+            f"--tp {tp} must be a positive divisor of --world-size {world_size} (ranks = "
+            f"replicate x shard x tp); divisors: "
+            f"{[d for d in range(1, world_size + 1) if world_size % d == 0]}"
+        )
+    world_size //= tp
     if replicate < 1 or world_size % replicate:
         raise ValueError(
             f"--replicate {replicate} must be a positive divisor of --world-size {world_size} "
@@ -29,7 +39,8 @@ def plan_for_model(model: str, world_size: int, optimizer: str = "muon",
     specs = preset_specs(model) if model in PRESETS else specs_from_factory(model)
     if optimizer not in _COST_OF_OPTIMIZER:
         raise ValueError(f"--optimizer must be one of {sorted(_COST_OF_OPTIMIZER)}, got {optimizer!r}")
-    planner = LPTPlanner(cost=_COST_OF_OPTIMIZER[optimizer], memory_cap_bytes=memory_cap_bytes)
+    cap = None if memory_cap_bytes is None else memory_cap_bytes * tp  # per GPU: 1/tp of a matrix
+    planner = LPTPlanner(cost=_COST_OF_OPTIMIZER[optimizer], memory_cap_bytes=cap)
     shard = world_size // replicate
     return planner(specs, shard).with_mesh_shape(replicate, shard)
 

@@ -20,13 +20,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import matrixfsdp as mf
 
 from . import faults
 from .config import TrainConfig, load_config
 from .data import ByteCorpus
-from .model import GPT
+from .model import GPT, parallelize_gpt
 
 __all__ = ["main", "train"]
 
@@ -50,6 +51,15 @@ class RunContext:
     metrics: list[dict[str, Any]] = field(default_factory=list)
 
     @property
+    def data_rank(self) -> int:
+        """Which share of the global batch this rank takes (tp ranks share one; tp innermost)."""
+        return self.rank // self.cfg.tp
+
+    @property
+    def data_world(self) -> int:
+        return self.world // self.cfg.tp
+
+    @property
     def checkpoint_root(self) -> Path:
         return self.out / "checkpoints"
 
@@ -69,6 +79,22 @@ def _init_distributed(cfg: TrainConfig) -> tuple[int, int, torch.device]:
     return dist.get_rank(), dist.get_world_size(), device
 
 
+def _meshes(cfg: TrainConfig, world: int,
+            device: torch.device) -> tuple[DeviceMesh | None, DeviceMesh | None]:
+    """The data-parallel mesh (``None``: flat over every rank) and the tp mesh (``None``: no TP)."""
+    if cfg.tp == 1:
+        return (mf.init_hsdp_mesh(replicate=cfg.replicate, device_type=device.type)
+                if cfg.replicate > 1 else None), None  # HSDP: (replicate, shard); None: flat
+    if world % (cfg.replicate * cfg.tp):
+        raise ValueError(f"replicate ({cfg.replicate}) x tp ({cfg.tp}) must divide the world "
+                         f"size ({world})")
+    shard = world // (cfg.replicate * cfg.tp)
+    mesh = init_device_mesh(device.type, (cfg.replicate, shard, cfg.tp),
+                            mesh_dim_names=("replicate", "shard", "tp"))
+    dp = mesh["replicate", "shard"] if cfg.replicate > 1 else mesh["shard"]
+    return dp, mesh["tp"]
+
+
 def _lr_lambda(cfg: TrainConfig):
     def factor(step: int) -> float:
         if step < cfg.warmup_steps:
@@ -81,15 +107,17 @@ def _lr_lambda(cfg: TrainConfig):
 
 def _build(cfg: TrainConfig) -> RunContext:
     rank, world, device = _init_distributed(cfg)
-    if cfg.global_batch % world:
-        raise ValueError(f"global_batch ({cfg.global_batch}) must be divisible by the world size "
-                         f"({world}); a resumed run may use any world size that divides it")
+    if cfg.global_batch % (world // cfg.tp):
+        raise ValueError(f"global_batch ({cfg.global_batch}) must be divisible by the data-"
+                         f"parallel size ({world // cfg.tp} = world {world} / tp {cfg.tp}); a "
+                         "resumed run may use any data-parallel size that divides it")
     torch.manual_seed(cfg.seed)
     corpus = ByteCorpus(cfg.corpus_bytes, cfg.val_fraction)
     model = GPT(cfg.model).to(device)
     cost = "bytes" if cfg.optimizer == "adamw" else cfg.optimizer
-    mesh = (mf.init_hsdp_mesh(replicate=cfg.replicate, device_type=device.type)
-            if cfg.replicate > 1 else None)  # HSDP: (replicate, shard); None: flat
+    mesh, tp_mesh = _meshes(cfg, world, device)
+    if tp_mesh is not None:
+        parallelize_gpt(model, tp_mesh)
     mf.fully_shard_matrix(model, mesh, reshard_after_forward=cfg.reshard_after_forward,
                           planner=cost, replicate_presence_flags=cfg.replicate_presence_flags)
     kwargs = dict(cfg.optimizer_kwargs)
@@ -155,8 +183,8 @@ def _global_mean(value: torch.Tensor, world: int) -> float:
 def _train_step(ctx: RunContext, step: int) -> dict[str, Any]:
     cfg, state = ctx.cfg, mf.get_state(ctx.model)
     batch = ctx.corpus.batch("train", step, cfg.global_batch, cfg.model.seq_len, cfg.seed)
-    per = cfg.global_batch // ctx.world
-    local = batch[ctx.rank * per : (ctx.rank + 1) * per].to(ctx.device)
+    per = cfg.global_batch // ctx.data_world
+    local = batch[ctx.data_rank * per : (ctx.data_rank + 1) * per].to(ctx.device)
     before = state.comm.counter.snapshot()
     _sync(ctx.device)
     t0 = time.perf_counter()
@@ -208,11 +236,11 @@ def _per_rank_bytes(ctx: RunContext, record: dict[str, Any]) -> dict[str, list[i
 
 @torch.no_grad()
 def _evaluate(ctx: RunContext, step: int) -> float:
-    cfg, per = ctx.cfg, ctx.cfg.global_batch // ctx.world
+    cfg, per, me = ctx.cfg, ctx.cfg.global_batch // ctx.data_world, ctx.data_rank
     total = torch.zeros((), device=ctx.device)
     for i in range(cfg.eval_batches):
         batch = ctx.corpus.batch("val", i, cfg.global_batch, cfg.model.seq_len, cfg.seed)
-        total += ctx.model.loss(batch[ctx.rank * per : (ctx.rank + 1) * per].to(ctx.device))
+        total += ctx.model.loss(batch[me * per : (me + 1) * per].to(ctx.device))
     return _global_mean(total / cfg.eval_batches, ctx.world)
 
 
