@@ -146,6 +146,8 @@ class MatrixOptimizer(torch.optim.Optimizer):
             _check_torch_class(self._matrix_cls, matrix_group["split"],
                                [f for f in fqns if orientation[f] != "out_in"])
         self._tp = _tp_entries(runtime, self._matrix_cls, self._spec)
+        self._tp_elsewhere = {id(mp.sharded) for mp in runtime.params.values()
+                              if getattr(mp, "tp", None) is not None and not mp.is_owner}
         if self._matrix_cls is not None and runtime.plan.sharded_stacks:
             raise NotImplementedError(
                 f"a torch.optim class cannot step the expert slices of sharded stacks "
@@ -369,6 +371,14 @@ class MatrixOptimizer(torch.optim.Optimizer):
         return self._config_cache[1]
 
     # -- reporting --------------------------------------------------------------------------------
+    def tp_step_owner(self, param: torch.Tensor) -> int | None:
+        """The tp rank that keeps TP matrix ``param``'s whole state: its step owner on the
+        owner row, ``-1`` on other rows; ``None`` for a parameter that is no TP matrix (see
+        [Note: TP step exchange])."""
+        if id(param) in self._tp:
+            return self._tp[id(param)][2]
+        return -1 if id(param) in self._tp_elsewhere else None
+
     def matrix_state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds for matrices (owned ones only, by design)."""
         return state_bytes(self.state[p] for g in self.param_groups if g.get("kind") == "matrix"

@@ -40,6 +40,7 @@ from .matrix_param import MatrixParam
 from .state_dict_view import StateDictView, exchange_json, gather_to_owner, live_views
 from .state_dict_view import comm_device as _comm_device
 from .state_dict_view import scatter_from_owner as _scatter
+from .tp_optim_view import owner_tp_entry, share_step_owner_entry, step_owner_of, tp_layout_for
 
 __all__ = ["ensure_optimizer_step_hook", "install_optimizer_state_view"]
 
@@ -136,9 +137,18 @@ class _OptimizerView:
             return None
         positions = {key: position for position, (key, _) in enumerate(index)}
         state = dict(state_dict["state"])
+        owners = _step_owners(optimizer, matrices)
+        for position, step_owner in owners.items():  # see [Note: TP optimizer state view]
+            key, mp = index[position][0], matrices[position][2]
+            if step_owner is not None and mp.is_owner:
+                shared = share_step_owner_entry(mp, step_owner, state.get(key))
+                if shared is None:
+                    state.pop(key, None)
+                else:
+                    state[key] = shared
         for view, view_positions in _by_view(matrices):
             try:
-                mine = {str(p): _describe(matrices[p][2], state.get(index[p][0]))
+                mine = {str(p): _describe(matrices[p][2], state.get(index[p][0]), owners.get(p))
                         for p in view_positions if matrices[p][2].is_owner}
             except NotImplementedError as exc:  # raised on every rank below, not only here
                 mine = {_ERROR: str(exc)}
@@ -154,7 +164,7 @@ class _OptimizerView:
                     state.pop(key, None)
                     continue
                 entry = state.get(key) if mp.is_owner else None
-                state[key] = {name: _rebuild(view, mp, name, item, entry)
+                state[key] = {name: _rebuild(view, mp, name, item, entry, owners.get(position))
                               for name, item in spec}
         order = len(positions)
         state_dict["state"] = dict(sorted(state.items(),
@@ -166,11 +176,18 @@ class _OptimizerView:
                 ) -> dict[str, Any] | None:
         index, matrices = _matrices(optimizer, state_dict["param_groups"])
         state = dict(state_dict["state"])
+        owners = _step_owners(optimizer, matrices)
         for position, (key, _) in enumerate(index):  # the same order on every rank
             if position not in matrices or not isinstance(state.get(key), Mapping):
                 continue
             _, view, mp = matrices[position]
-            entry = _owner_entry(view, mp, state[key])
+            if mp.tp is not None:
+                entry = owner_tp_entry(
+                    view, mp, state[key], owners.get(position),
+                    lambda value, view=view, mp=mp: gather_to_owner(view.state, mp.owner_rank,
+                                                                    value))
+            else:
+                entry = _owner_entry(view, mp, state[key])
             if entry is None:
                 state.pop(key)
             else:
@@ -192,12 +209,21 @@ class _OptimizerView:
                     entry[name] = value.to(device=current.device)
 
 
-def _describe(mp: MatrixParam, entry: Mapping[str, Any] | None) -> list[Any] | None:
+def _step_owners(optimizer: torch.optim.Optimizer, matrices: _Matrices) -> dict[int, int | None]:
+    """Each TP matrix's step owner (``None``: state per TP shard), by position."""
+    return {position: step_owner_of(optimizer, param)
+            for position, (param, _, mp) in matrices.items() if mp.tp is not None}
+
+
+def _describe(mp: MatrixParam, entry: Mapping[str, Any] | None,
+              step_owner: int | None = None) -> list[Any] | None:
     """The owner's entry as JSON: ``[name, item]`` pairs in its order (None: no state)."""
     if not entry:
         return None
     out = []
     for name, value in entry.items():
+        if mp.tp is not None and isinstance(value, torch.Tensor) and value.ndim:
+            tp_layout_for(None, mp, list(value.shape), step_owner)  # raises if it cannot place
         if isinstance(value, DTensor) or not isinstance(name, str):
             raise NotImplementedError(
                 f"optimizer state of matrix {mp.fqn!r} (shape {tuple(mp.shape)}) has {name!r} = "
@@ -221,14 +247,15 @@ def _describe(mp: MatrixParam, entry: Mapping[str, Any] | None) -> list[Any] | N
 
 
 def _rebuild(view: StateDictView, mp: MatrixParam, name: str, item: Mapping[str, Any],
-             entry: Mapping[str, Any] | None) -> Any:
+             entry: Mapping[str, Any] | None, step_owner: int | None = None) -> Any:
     """One value of a matrix's state on this rank, from the owner's description."""
     if "value" in item:
         return item["value"]
     dtype = getattr(torch, item["dtype"])
     owned = entry[name] if entry is not None else None
     if item["shape"]:
-        return _scatter(view.state, mp.owner_rank, owned, item["shape"], dtype)
+        layout = tp_layout_for(view, mp, item["shape"], step_owner)
+        return _scatter(view.state, mp.owner_rank, owned, item["shape"], dtype, layout)
     if owned is not None:
         return owned
     device = torch.device("cpu") if item["device"] == "cpu" else _comm_device(view.state)
