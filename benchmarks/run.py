@@ -5,6 +5,9 @@ step by step (with single-process references and a contention probe between roun
 profiled step per strategy and a collective microbenchmark), then (unless ``--no-memory``) one
 fresh world per strategy for its peak RSS; finally the cost-model fit, the 7B projection, and
 the report as markdown (``--out``), JSON and PNG next to it.
+
+``python -m benchmarks.run tp-step ...``: the optimizer step of tensor-parallel matrices, three
+placements side by side plus the Llama-3-70B projection (``benchmarks/tp_step.py``, issue 22).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from .launch import run_world
 from .model import build_gpt
 from .report import render_markdown, write_json, write_png
 from .strategies import owner_plan, strategies_for
+from .tp_step import main as tp_step_main
 from .worker import memory_worker, timing_worker
 
 __all__ = ["main", "parse_args", "run"]
@@ -166,6 +170,9 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["tp-step"]:  # issue 22: its own options (``tp-step --help``)
+        tp_step_main(sys.argv[2:])
+        return
     run()
 
 
