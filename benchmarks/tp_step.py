@@ -58,6 +58,7 @@ from matrixfsdp.optim.tp_step import (
     TpMatrix,
     WholeStepper,
     assign_step_owners,
+    bucket_plan,
     step_cost,
     step_tp_matrices,
 )
@@ -484,9 +485,9 @@ def schedule_check(tp: int = 4, count: int = 8, sleep_s: float = 0.1,
     "compute" at once even on 2 cores): measured wall time against ``simulate_buckets``."""
     out: dict[str, Any] = {"tp": tp, "matrices": count, "sleep_s": sleep_s}
     owners = assign_step_owners([1.0] * count, tp)
+    waves = bucket_plan([1] * count, owners, [1.0] * count, 0)  # one wave per bucket
     for label, bucket_bytes, groups in (("one bucket", TP_STEP_BUCKET_BYTES, [range(count)]),
-                                        ("one matrix per bucket", 1,
-                                         [[i] for i in range(count)])):
+                                        ("one matrix per step owner per bucket", 1, waves)):
         ranks = run_world(tp, _sleep_worker, count, sleep_s, bucket_bytes, reps)
         measured = statistics.median(max(r[i] for r in ranks) for i in range(reps))
         buckets = [Bucket(tuple(sleep_s * sum(owners[i] == r for i in g) for r in range(tp)),
@@ -611,8 +612,15 @@ def _owner_buckets(row: _Row, groups: Sequence[Sequence[int]], owners: Sequence[
     return buckets, sent, recv
 
 
-def _library_groups(row: _Row, bucket_bytes: int) -> list[list[int]]:
-    """``tp_step._buckets``: consecutive runs within ``bucket_bytes`` of whole param + grad."""
+def _library_groups(row: _Row, owners: Sequence[int], bucket_bytes: int) -> list[list[int]]:
+    """``tp_step.bucket_plan``: waves of every step owner's j-th largest matrix, merged while
+    each step owner's whole param + grad bytes stay within ``bucket_bytes``."""
+    nbytes = [math.prod(s.shape) * (row.param_bytes + row.grad_bytes) for s in row.specs]
+    return bucket_plan(nbytes, owners, [float(n) for n in nbytes], bucket_bytes)
+
+
+def _duplicated_groups(row: _Row, bucket_bytes: int) -> list[list[int]]:
+    """Duplicated's buckets: consecutive runs within ``bucket_bytes`` of whole param + grad."""
     groups: list[list[int]] = []
     total = 0
     for i, s in enumerate(row.specs):
@@ -646,13 +654,13 @@ def _row_figures(row: _Row) -> dict[str, dict[str, Any]]:
     blockwise = [Bucket(tuple(row.seconds(s.shard_shape(tp)) for _ in range(tp)), 0.0, 0.0)
                  for s in specs]
     dup_buckets, dup_bytes = [], [0.0] * tp
-    for group in _library_groups(row, TP_STEP_BUCKET_BYTES):
+    for group in _duplicated_groups(row, TP_STEP_BUCKET_BYTES):
         nbytes = (tp - 1) * sum(row.shard(specs[i]) for i in group) * row.grad_bytes
         compute = sum(row.seconds(specs[i].shape) for i in group)
         dup_buckets.append(Bucket((compute,) * tp, row.link_s(nbytes), 0.0))
         dup_bytes = [b + nbytes for b in dup_bytes]
     owners = step_owners(specs, tp)
-    lib = _owner_buckets(row, _library_groups(row, TP_STEP_BUCKET_BYTES), owners)
+    lib = _owner_buckets(row, _library_groups(row, owners, TP_STEP_BUCKET_BYTES), owners)
     waves = _owner_buckets(row, _wave_groups(row, owners), owners)
     return {"blockwise": _figures(blockwise, [0.0] * tp, [0.0] * tp, False),
             "duplicated": _figures(dup_buckets, dup_bytes, dup_bytes, True),
@@ -681,8 +689,9 @@ def project_tp(shape: LlamaShape, tp: int = 8, dp: int = 8, replicate: int = 1,
 PROJECTION_LABELS = {
     "blockwise": "(a) blockwise (NS per TP shard; not exact)",
     "duplicated": "(b) duplicated (all-gather; every GPU NS on every matrix)",
-    "step_owner": "(c) **this design**, library buckets (64 MiB: one matrix each)",
-    "waves": "(c'') this design, what-if: bucket = one matrix per step owner (j-th largest)",
+    "step_owner": "(c) **this design** (library buckets: waves of every step owner's j-th "
+                  "largest matrix, within 64 MiB per step owner)",
+    "waves": "(c'') this design, one wave per bucket (no merging of small waves)",
 }
 
 
@@ -749,7 +758,7 @@ def render_schedule(check: dict[str, Any]) -> str:
              f"step math replaced by a {check['sleep_s'] * 1e3:.0f} ms sleep per matrix:", "",
              "| buckets | measured (ms) | simulated (ms) | ideal max per step owner (ms) |",
              "|---|---|---|---|"]
-    for label in ("one bucket", "one matrix per bucket"):
+    for label in ("one bucket", "one matrix per step owner per bucket"):
         f = check[label]
         lines.append(f"| {label} | {f['measured_s'] * 1e3:.0f} | {f['simulated_s'] * 1e3:.0f} | "
                      f"{f['ideal_s'] * 1e3:.0f} |")

@@ -72,8 +72,11 @@ def test_projection_compute_follows_the_cost_model() -> None:
     assert 1 / 8 <= ratio <= 1.1 / 8
     shard = max(sum(seconds(m.shard_shape(8)) for m in r) for r in rows)
     assert s["blockwise"]["compute_s"] == pytest.approx(shard, rel=1e-9)
-    assert s["waves"]["overlapped_s"] < s["step_owner"]["overlapped_s"] < s["duplicated"][
+    # The library's buckets are waves: every step owner computes in every bucket, so the
+    # overlapped step is its compute plus little more (before waves it was 3.0 s against 0.55).
+    assert s["waves"]["overlapped_s"] <= s["step_owner"]["overlapped_s"] < s["duplicated"][
         "overlapped_s"]
+    assert s["step_owner"]["overlapped_s"] <= 1.1 * s["step_owner"]["compute_s"]
     hsdp = project_tp(shape, tp=8, dp=8, replicate=8)
     assert hsdp["gpus"] == 512 and hsdp["strategies"] == s
 

@@ -10,8 +10,10 @@ Vocabulary (*TP matrix*, *TP shard*, *owner row*: [Note: TP matrices] in ``runti
 - ``step_cost``: the planner's FLOP model of the optimizer when it has one (``muon``,
   ``shampoo``, ``soap``, ``okls``, ``emagram``), ``m*n`` for ``adamw`` (elementwise), else the
   proxy ``m*n*min(m, n)`` (a Gram or Newton-Schulz product) for a user-registered optimizer.
-- A *bucket* is a run of consecutive listed matrices whose whole parameter and gradient bytes
-  stay within ``TP_STEP_BUCKET_BYTES`` (a larger matrix is a bucket alone). Per bucket:
+- A *wave* holds the j-th largest matrix of every step owner; a *bucket* is a run of
+  consecutive waves in which no step owner's whole parameter and gradient bytes pass
+  ``TP_STEP_BUCKET_BYTES`` (a wave of larger matrices is a bucket alone; ``bucket_plan``), so
+  every step owner has work in every bucket, however large the matrices. Per bucket:
   - the *gather exchange*, one ``all_to_all_single`` in the tp group: every tp rank sends its
     TP shard of parameter and gradient of each matrix to the matrix's step owner; the step owner
     keeps its own shards in place and concatenates all of them along ``shard_dim`` into the
@@ -68,6 +70,7 @@ __all__ = [
     "WholeMatrix",
     "WholeStepper",
     "assign_step_owners",
+    "bucket_plan",
     "step_cost",
     "step_tp_matrices",
     "tp_step_owners",
@@ -328,17 +331,37 @@ def _finish_return(bucket: Sequence[TpMatrix], returning: _InFlight, me: int, si
 
 # -- driver ---------------------------------------------------------------------------------------
 def _buckets(matrices: Sequence[TpMatrix], bucket_bytes: int) -> list[list[TpMatrix]]:
-    """Consecutive runs within ``bucket_bytes`` of whole parameter + gradient bytes."""
-    buckets: list[list[TpMatrix]] = []
-    total = 0
-    for m in matrices:
-        numel = math.prod(m.tp.global_shape)
-        nbytes = numel * (m.param.dtype.itemsize + m.grad_dtype().itemsize)
-        if not buckets or total + nbytes > bucket_bytes:
-            buckets.append([])
-            total = 0
-        buckets[-1].append(m)
-        total += nbytes
+    """The matrices cut into waves (see [Note: TP step exchange]), via ``bucket_plan``."""
+    nbytes = [math.prod(m.tp.global_shape) * (m.param.dtype.itemsize + m.grad_dtype().itemsize)
+              for m in matrices]
+    costs = [float(n) for n in nbytes]
+    plan = bucket_plan(nbytes, [m.step_owner for m in matrices], costs, bucket_bytes)
+    return [[matrices[i] for i in bucket] for bucket in plan]
+
+
+def bucket_plan(nbytes: Sequence[int], owners: Sequence[int], costs: Sequence[float],
+                bucket_bytes: int) -> list[list[int]]:
+    """Buckets of matrix indices: *waves*, wave j holding the j-th largest (by ``costs``) matrix
+    of every step owner, consecutive waves merged while no step owner's whole bytes in the
+    bucket pass ``bucket_bytes``. Every step owner computes in every bucket it has work for, so
+    the pipeline keeps all tp ranks busy even when each matrix is larger than a bucket."""
+    mine: dict[int, list[int]] = {}
+    for index, owner in enumerate(owners):
+        mine.setdefault(owner, []).append(index)
+    for indices in mine.values():
+        indices.sort(key=lambda i: (-costs[i], i))
+    depth = max((len(v) for v in mine.values()), default=0)
+    waves = [[v[j] for _, v in sorted(mine.items()) if j < len(v)] for j in range(depth)]
+    buckets: list[list[int]] = []
+    load: dict[int, int] = {}
+    for wave in waves:
+        if buckets and all(load.get(owners[i], 0) + nbytes[i] <= bucket_bytes for i in wave):
+            buckets[-1] += wave
+        else:
+            buckets.append(list(wave))
+            load = {}
+        for i in wave:
+            load[owners[i]] = load.get(owners[i], 0) + nbytes[i]
     return buckets
 
 
