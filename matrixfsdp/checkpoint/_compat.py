@@ -51,6 +51,24 @@ def _role_problems(saved: dict[str, TensorEntry], now: dict[str, TensorEntry],
     ]
 
 
+def _shape(entry: TensorEntry) -> str:
+    """``shape [..]``, with the TP split a TP matrix had (the shape is the global one)."""
+    if entry.tp is None:
+        return f"shape {list(entry.shape)}"
+    return (f"shape {list(entry.shape)} (TP Shard({entry.tp.shard_dim}) over {entry.tp.tp_size}: "
+            f"{list(entry.tp.local_sizes)})")
+
+
+def _tp_hint(entries: list[TensorEntry]) -> str:
+    """What to do when a TP matrix's global shape differs (the tp split itself never does)."""
+    if not any(e.tp is not None for e in entries):
+        return ""
+    return (" (TP matrices are stored and compared as whole matrices: any tp size and shard dim "
+            "load, but the global shape must match; build the model with the checkpoint's "
+            "global shapes, or load weights_only from a resized full state dict with "
+            "load_full_state_dict)")
+
+
 def check_model(
     path: Path, layout: CheckpointLayout, current: list[TensorEntry], *,
     weights_only: bool, strict: bool,
@@ -68,10 +86,11 @@ def check_model(
         problems.append(
             f"the checkpoint holds {len(unexpected)} entries the model lacks: {names(unexpected)}"
         )
-    shapes = [f"{f!r}: checkpoint shape {list(saved[f].shape)}, model shape {list(now[f].shape)}"
-              for f in common if saved[f].shape != now[f].shape]
-    if shapes:
-        problems.append("shape mismatch: " + "; ".join(shapes))
+    differ = [f for f in common if saved[f].shape != now[f].shape]
+    if differ:
+        problems.append("shape mismatch: " + "; ".join(
+            f"{f!r}: checkpoint {_shape(saved[f])}, model {_shape(now[f])}" for f in differ
+        ) + _tp_hint([saved[f] for f in differ] + [now[f] for f in differ]))
     if not weights_only:
         problems += _role_problems(saved, now, common)
     if problems:

@@ -13,6 +13,8 @@
   tensors); the tail's by every rank (DTensor shards plus replicated scalars such as ``step``).
   State keys must not contain ``.`` so ``<fqn>`` and ``<key>`` split unambiguously.
 - ``rng.cpu.<rank>`` / ``rng.cuda.<rank>``: each rank's generator states under its own key.
+- TP matrices are stored as global matrices in tp chunks, and their ``MatrixOptimizer`` state
+  whole by the step owner: [Note: TP matrices in checkpoints] in ``_tp.py``.
 On load every rank requests exactly the keys it needs: a new owner (in every replica) asks for
 whole matrices and their state, every rank asks for its tail shards (DCP reshards them, also
 between 1-D and 2-D meshes), and nothing else.
@@ -21,7 +23,7 @@ between 1-D and 2-D meshes), and nothing else.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -31,7 +33,9 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.tensor import DTensor, Shard
 
 from ..runtime import MatrixFSDPState
+from ..runtime.matrix_param import MatrixParam
 from ..runtime.state_dict_view import owner_state_dict
+from . import _tp
 from .layout import (
     GroupLayout,
     OptimizerLayout,
@@ -55,6 +59,7 @@ __all__ = [
     "rng_state",
     "rng_targets",
     "saved_state_keys",
+    "state_holder",
     "writes_matrix",
 ]
 
@@ -62,12 +67,16 @@ logger = logging.getLogger(__name__)
 
 
 def mesh_group(runtime: MatrixFSDPState) -> dist.ProcessGroup | None:
-    """A process group over every rank of the model's mesh, replicas included (None: default)."""
+    """A process group over every rank of the model's mesh, replicas and tp included (None:
+    default)."""
+    if runtime.tp_mesh is not None:
+        return _tp.dp_tp_group(runtime)
     return runtime.dp_mesh.all_ranks_group()
 
 
 def writes_matrix(runtime: MatrixFSDPState, fqn: str) -> bool:
-    """Whether this rank writes matrix ``fqn`` (and its state): its owner, in replica 0."""
+    """Whether this rank writes matrix ``fqn``: its owner (each tp rank of a TP matrix's owner
+    row, its chunk), in replica 0. Its state: ``state_holder``."""
     mp = runtime.params.get(fqn)
     return mp is not None and mp.is_owner and runtime.replica_rank == 0
 
@@ -86,8 +95,10 @@ def model_entries(model: nn.Module, runtime: MatrixFSDPState) -> list[TensorEntr
     for key, value in owner_state_dict(model, runtime).items():
         mp = runtime.params.get(key)
         if mp is not None:
-            entries.append(TensorEntry(fqn=key, shape=tuple(mp.shape), dtype=dtype_name(mp.dtype),
-                                       role="matrix", owner_rank=mp.owner_rank))
+            shape = tuple(mp.shape) if mp.tp is None else mp.tp.global_shape
+            tp = None if mp.tp is None else _tp.tp_entry(mp.tp)
+            entries.append(TensorEntry(fqn=key, shape=shape, dtype=dtype_name(mp.dtype),
+                                       role="matrix", owner_rank=mp.owner_rank, tp=tp))
             continue
         if not isinstance(value, torch.Tensor):
             raise NotImplementedError(
@@ -112,7 +123,7 @@ def model_state(model: nn.Module, runtime: MatrixFSDPState) -> dict[str, torch.T
                 f"owner of matrix {key!r} holds shape {tuple(value.shape)}, expected "
                 f"{tuple(mp.shape)}; save outside forward/backward"
             )
-        out[key] = value
+        out[key] = value if mp is None or mp.tp is None else _tp.tp_chunk(mp.tp, value)
     return out
 
 
@@ -133,8 +144,11 @@ def _check_state_value(fqn: str, key: str, value: Any) -> torch.Tensor:
 def optimizer_state(
     model: nn.Module, runtime: MatrixFSDPState, optimizer: torch.optim.Optimizer
 ) -> tuple[dict[str, dict[str, torch.Tensor]], OptimizerLayout]:
-    """This rank's optimizer state by FQN (owners only for matrices) and the group layout."""
+    """This rank's optimizer state by FQN (owners only for matrices; for TP matrices see
+    [Note: TP matrices in checkpoints]) and the group layout."""
     fqn_of = param_fqns(model)
+    holds = state_holder(runtime, optimizer)
+    whole = _tp.state_mode(optimizer) == "whole"
     state: dict[str, dict[str, torch.Tensor]] = {}
     groups = []
     for index, group in enumerate(optimizer.param_groups):
@@ -148,10 +162,8 @@ def optimizer_state(
                 )
             fqns.append(fqn)
             entry = optimizer.state.get(p)
-            mp = runtime.params.get(fqn)
-            if not entry or (mp is not None and not writes_matrix(runtime, fqn)):
-                continue
-            state[fqn] = {k: _check_state_value(fqn, k, v) for k, v in entry.items()}
+            if entry and holds(fqn) and (fqn not in runtime.params or runtime.replica_rank == 0):
+                state[fqn] = _state_entry(runtime.params.get(fqn), fqn, entry, whole)
         optimizer_name = group.get("optimizer")
         groups.append(GroupLayout(
             kind=group.get("kind"),
@@ -160,6 +172,32 @@ def optimizer_state(
         ))
     cls = type(optimizer)
     return state, OptimizerLayout(cls=f"{cls.__module__}.{cls.__qualname__}", groups=tuple(groups))
+
+
+def state_holder(runtime: MatrixFSDPState, optimizer: torch.optim.Optimizer
+                 ) -> Callable[[str], bool]:
+    """Whether this rank keeps the optimizer state of a parameter (by FQN), so reads it on load:
+    the tail's every rank; a matrix's its owner; a TP matrix's under ``MatrixOptimizer`` its
+    step owner (see [Note: TP matrices in checkpoints]). In replica 0 they also write it."""
+    whole = _tp.state_mode(optimizer) == "whole"
+    stepped = _tp.step_owned(runtime, optimizer) if whole else set()
+
+    def holds(fqn: str) -> bool:
+        mp = runtime.params.get(fqn)
+        if mp is None:
+            return True
+        return mp.is_owner and (mp.tp is None or not whole or fqn in stepped)
+
+    return holds
+
+
+def _state_entry(mp: MatrixParam | None, fqn: str, entry: dict[str, Any], whole: bool
+                 ) -> dict[str, torch.Tensor]:
+    """One parameter's state as DCP stores it: a torch optimizer's TP shards as chunks."""
+    values = {k: _check_state_value(fqn, k, v) for k, v in entry.items()}
+    if mp is None or mp.tp is None or whole:
+        return values
+    return {k: _tp.shard_state_value(mp, k, v) for k, v in values.items()}
 
 
 def rng_state(rank: int) -> dict[str, dict[str, torch.Tensor]]:
@@ -179,7 +217,8 @@ def _tensor_md(metadata: Metadata, key: str) -> TensorStorageMetadata | None:
 def model_targets(
     model: nn.Module, runtime: MatrixFSDPState, fqns: Iterable[str], prefix: str = "model."
 ) -> dict[str, torch.Tensor]:
-    """The model tensors this rank fills in place: tail shards, buffers, owned matrices."""
+    """The model tensors this rank fills in place: tail shards, buffers, owned matrices (a TP
+    matrix's owner row: each tp rank its TP shard, as its chunk of the global matrix)."""
     wanted = set(fqns)
     targets = {}
     for key, value in owner_state_dict(model, runtime).items():
@@ -188,7 +227,7 @@ def model_targets(
         mp = runtime.params.get(key)
         if mp is not None and not mp.is_owner:
             continue
-        targets[prefix + key] = value
+        targets[prefix + key] = value if mp is None or mp.tp is None else _tp.tp_chunk(mp.tp, value)
     return targets
 
 
@@ -241,12 +280,15 @@ def optimizer_targets(
     model: nn.Module, runtime: MatrixFSDPState, optimizer: torch.optim.Optimizer,
     metadata: Metadata,
 ) -> tuple[dict[str, torch.Tensor], dict[int, dict[str, str]]]:
-    """Fresh tensors for the saved optimizer state this rank needs.
+    """Fresh tensors for the saved optimizer state this rank needs (a matrix's on its owner; a
+    TP matrix's: see [Note: TP matrices in checkpoints]).
 
     Returns the DCP targets and, per parameter (by id), ``state key -> DCP key``.
     """
     fqn_of = param_fqns(model)
     saved = saved_state_keys(metadata)
+    holds = state_holder(runtime, optimizer)
+    whole = _tp.state_mode(optimizer) == "whole"
     targets: dict[str, torch.Tensor] = {}
     routes: dict[int, dict[str, str]] = {}
     for group in optimizer.param_groups:
@@ -254,7 +296,7 @@ def optimizer_targets(
         for p in group["params"]:
             fqn = fqn_of[id(p)]
             mp = runtime.params.get(fqn)
-            if mp is not None and not mp.is_owner:
+            if not holds(fqn):
                 continue
             route = routes.setdefault(id(p), {})
             for name in saved.get(fqn, []):
@@ -262,7 +304,10 @@ def optimizer_targets(
                 md = _tensor_md(metadata, key)
                 if md is None:
                     continue
-                targets[key] = _state_target(p, md, on_device_scalars)
+                if mp is not None and mp.tp is not None and not whole and len(md.size):
+                    targets[key] = _tp.shard_state_target(mp, name, md)
+                else:
+                    targets[key] = _state_target(p, md, on_device_scalars)
                 route[name] = key
     return targets, routes
 
@@ -271,14 +316,22 @@ def install_optimizer_state(
     optimizer: torch.optim.Optimizer, targets: dict[str, torch.Tensor],
     routes: dict[int, dict[str, str]],
 ) -> None:
-    """Replace the optimizer's state with the loaded tensors (in place: inner optimizers share it)."""
+    """Replace the optimizer's state with the loaded tensors (in place: inner optimizers share
+    it). A DTensor read for a plain parameter (a TP shard's chunk) is kept as its local tensor."""
     for group in optimizer.param_groups:
         for p in group["params"]:
             route = routes.get(id(p))
             if route:
-                optimizer.state[p] = {name: targets[key] for name, key in route.items()}
+                optimizer.state[p] = {name: _local_for(p, targets[key])
+                                      for name, key in route.items()}
             else:
                 optimizer.state.pop(p, None)
+
+
+def _local_for(p: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    if isinstance(value, DTensor) and not isinstance(p, DTensor):
+        return value.to_local()
+    return value
 
 
 def restore_hyperparams(optimizer: torch.optim.Optimizer, saved: OptimizerLayout) -> None:

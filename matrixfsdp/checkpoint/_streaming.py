@@ -2,7 +2,8 @@
 
 [Note: what each rank reads in a full-weight load]
 - A matrix (whole-owned 2-D weight or 3-D stack): its owner reads it whole into the owned
-  parameter; every other rank reads nothing.
+  parameter; every other rank reads nothing. A TP matrix's owner row: each tp rank reads its TP
+  shard (its ``torch.chunk`` range along the TP shard dim) of the whole matrix.
 - A DTensor (the FSDP2 tail, sharded expert stacks): the global index range of this rank's local
   shard, derived from the placements and the mesh coordinate (``Shard(d)`` splits dim ``d`` as
   ``torch.chunk`` does: chunks of ``ceil(n / size)``, an uneven or empty last one; FSDP2's
@@ -23,6 +24,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from ..runtime import MatrixFSDPState
 from ..runtime.state_dict_view import owner_state_dict
+from ..runtime.tp import TpLayout
 from .sources import Index, TensorSource
 
 __all__ = ["TensorRead", "alias_groups", "copy_reads", "local_index", "plan_reads"]
@@ -43,21 +45,10 @@ def local_index(target: DTensor, fqn: str) -> Index:
     coordinate = mesh.get_coordinate()
     if coordinate is None:
         raise NotImplementedError(f"{fqn!r}: this rank is not in the mesh of its DTensor")
-    bounds = [(0, n) for n in target.shape]
-    for mesh_dim, placement in enumerate(target.placements):
-        if placement.is_replicate():
-            continue
-        if type(placement) is not Shard:  # _StridedShard, Partial, custom placements
-            raise NotImplementedError(
-                f"{fqn!r}: cannot read the local shard of placement {placement} (only Shard(d) "
-                "and Replicate are supported); load a mapping from a full state dict instead"
-            )
-        dim = placement.dim
-        lo, hi = bounds[dim]
-        length, parts = hi - lo, mesh.size(mesh_dim)
-        chunk = -(-length // parts)
-        start = min(coordinate[mesh_dim] * chunk, length)
-        bounds[dim] = (lo + start, lo + min(start + chunk, length))
+    if any(type(p).__name__ == "_StridedShard" for p in target.placements):
+        bounds = _strided_bounds(target)  # FSDP2 over a TP-sharded dim: _StridedShard
+    else:
+        bounds = _shard_bounds(target, coordinate, fqn)
     index = tuple(slice(lo, hi) for lo, hi in bounds)
     local_shape = tuple(hi - lo for lo, hi in bounds)
     if local_shape != tuple(target.to_local().shape):
@@ -67,6 +58,43 @@ def local_index(target: DTensor, fqn: str) -> Index:
             "not supported by streaming loads"
         )
     return index
+
+
+def _shard_bounds(target: DTensor, coordinate: list[int], fqn: str) -> list[tuple[int, int]]:
+    bounds = [(0, n) for n in target.shape]
+    for mesh_dim, placement in enumerate(target.placements):
+        if placement.is_replicate():
+            continue
+        if type(placement) is not Shard:  # Partial, custom placements
+            raise NotImplementedError(
+                f"{fqn!r}: cannot read the local shard of placement {placement} (only Shard(d), "
+                "FSDP2's _StridedShard and Replicate are supported); load a mapping from a full "
+                "state dict instead"
+            )
+        dim = placement.dim
+        lo, hi = bounds[dim]
+        length, parts = hi - lo, target.device_mesh.size(mesh_dim)
+        chunk = -(-length // parts)
+        start = min(coordinate[mesh_dim] * chunk, length)
+        bounds[dim] = (lo + start, lo + min(start + chunk, length))
+    return bounds
+
+
+def _strided_bounds(target: DTensor) -> list[tuple[int, int]]:
+    """The local shard's global range as DCP computes it (``_StridedShard`` included)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh,
+                                                          target.placements)
+    return [(o, o + n) for o, n in zip(offset, shape, strict=True)]
+
+
+def _tp_index(tp: TpLayout) -> Index:
+    """The global slice of a TP matrix that this tp rank's TP shard holds."""
+    start = tp.offset_of(tp.tp_rank)
+    index = [slice(0, n) for n in tp.global_shape]
+    index[tp.shard_dim] = slice(start, start + tp.local_sizes[tp.tp_rank])
+    return tuple(index)
 
 
 def alias_groups(model: nn.Module) -> dict[str, list[str]]:
@@ -93,6 +121,8 @@ def plan_reads(
             local = target.to_local()
             if local.numel():
                 reads.append(TensorRead(key, source_key, local_index(target, key), local))
+        elif mp is not None and mp.tp is not None:
+            reads.append(TensorRead(key, source_key, _tp_index(mp.tp), target))
         else:
             reads.append(TensorRead(key, source_key, None, target))
     return reads

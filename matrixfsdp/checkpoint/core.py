@@ -26,7 +26,7 @@ from . import _statedict as sd
 from ._compat import check_model, check_optimizer
 from ._dist import agree, dcp_errors, group_rank, group_size, on_coordinator
 from .errors import CorruptCheckpointError
-from .layout import LAYOUT_FILE, CheckpointLayout, parse_layout
+from .layout import FORMAT_VERSION, LAYOUT_FILE, TP_FORMAT_VERSION, CheckpointLayout, parse_layout
 from .storage import (
     SafeFileSystemReader,
     check_data_files,
@@ -101,11 +101,14 @@ def _build(
         optim_state, optimizer_layout = sd.optimizer_state(model, runtime, optimizer)
         state["optim"] = {"state": optim_state}
     plan = runtime.plan
+    tp_size = runtime.tp_mesh.size() if runtime.tp_mesh is not None else None
     layout = CheckpointLayout(
+        format_version=FORMAT_VERSION if tp_size is None else TP_FORMAT_VERSION,
         matrixfsdp_version=__version__, torch_version=torch.__version__, step=step,
         extra=extra, world_size=plan.world_size, mesh_shape=runtime.mesh_shape, plan=plan,
         plan_hash=plan.plan_hash(),
         model=tuple(sd.model_entries(model, runtime)), optimizer=optimizer_layout,
+        tp_size=tp_size,
     )
     return state, layout
 
@@ -121,9 +124,12 @@ def save(
 ) -> AsyncSave | None:
     """Save a checkpoint of a wrapped model (and optimizer) to the directory ``path``.
 
-    Collective over every rank of the model's mesh. Every matrix is written once, whole, by its
-    owner (under HSDP, its owner in replica 0); the tail as FSDP2 DTensor shards; optimizer state by FQN; per-rank RNG states; ``step`` and the JSON
-    ``extra`` go into the layout. The directory appears (atomically renamed from a hidden
+    Collective over every rank of the model's mesh (the dp x tp mesh of a TP model). Every
+    matrix is written once, whole, by its owner (under HSDP, its owner in replica 0; a TP matrix
+    as the global matrix in tp chunks by the owner row, its ``MatrixOptimizer`` state whole by
+    its step owner: [Note: TP matrices in checkpoints]); the tail as FSDP2 DTensor shards;
+    optimizer state by FQN; per-rank RNG states; ``step``, the JSON ``extra`` and the owner and
+    TP layout go into the layout. The directory appears (atomically renamed from a hidden
     sibling) only after every rank finished; an existing checkpoint at ``path`` is replaced.
 
     With ``async_save=True`` the state is copied to CPU memory, written by a background thread
@@ -282,7 +288,9 @@ def load(
 
     Collective. Each owner of the current plan (in every replica under HSDP) reads its matrices
     (and their optimizer state) whole; the tail is resharded by DCP, so a checkpoint loads at any
-    mesh shape: flat or HSDP, either way. Everything is checked before any tensor is written: a
+    mesh shape: flat or HSDP, either way, with or without TP and at any tp size (a TP matrix's
+    owner row reads its TP shards of the stored whole matrix, its step owner the whole state;
+    [Note: TP matrices in checkpoints]). Everything is checked before any tensor is written: a
     different matrix set or optimizer raises ``CheckpointMismatchError`` naming the FQNs, unless
     ``weights_only=True``, which loads model weights alone (no optimizer state, hyperparameters or
     RNG). ``strict=False`` skips entries missing on either side (shape mismatches always raise).
@@ -319,6 +327,7 @@ def load(
     agree(error, group, f"installing the state read from {path}")
     layout = request.layout
     logger.info("matrixfsdp.checkpoint: loaded step %d from %s (saved on mesh (replicate, "
-                "shard) = %s, now %s over %d ranks)", layout.step, path,
-                layout.saved_mesh_shape, runtime.mesh_shape, group_size(group))
+                "shard) = %s x tp %d, now %s x tp %d over %d ranks)", layout.step, path,
+                layout.saved_mesh_shape, layout.saved_tp_size, runtime.mesh_shape,
+                runtime.tp_mesh.size() if runtime.tp_mesh is not None else 1, group_size(group))
     return {"step": layout.step, "extra": layout.extra}

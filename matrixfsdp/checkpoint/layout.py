@@ -13,6 +13,12 @@
 - ``optimizer`` records each param group's parameter FQNs and its JSON-encodable hyperparameters
   (tuples, non-finite floats and 0-d tensors are tagged so they come back as they were). The
   optimizer's *state tensors* live in the DCP data under ``optim.state.<fqn>.<key>``.
+- TP matrices (see [Note: TP matrices in checkpoints] in ``_tp.py``): a matrix entry's ``shape``
+  is always the global matrix's; ``tp`` records how the saving model split it (shard dim, tp
+  size, per-rank sizes) and ``tp_size`` the saving tp mesh's size. Both are written only when the
+  model had TP, and such a layout has ``format_version`` 2 (``TP_FORMAT_VERSION``), so a release
+  that cannot read TP layouts says so instead of half-understanding one; a layout without TP
+  stays at version 1, byte for byte what earlier releases wrote.
 - ``format_version`` is checked before anything else: a newer layout raises
   ``UnsupportedFormatError`` instead of being half-understood.
 """
@@ -26,7 +32,16 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    JsonValue,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    model_serializer,
+    model_validator,
+)
 
 from ..planner import PLAN_FORMAT_VERSION, Plan
 from .errors import CorruptCheckpointError, UnsupportedFormatError
@@ -35,11 +50,14 @@ __all__ = [
     "COMPLETE_FILE",
     "FORMAT_VERSION",
     "LAYOUT_FILE",
+    "READABLE_FORMAT_VERSIONS",
+    "TP_FORMAT_VERSION",
     "CheckpointLayout",
     "CompleteMarker",
     "GroupLayout",
     "OptimizerLayout",
     "TensorEntry",
+    "TpEntry",
     "decode_hyperparams",
     "dtype_name",
     "encode_hyperparams",
@@ -50,6 +68,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
+TP_FORMAT_VERSION = 2  # a layout recording TP matrices (see the Note)
+READABLE_FORMAT_VERSIONS = (FORMAT_VERSION, TP_FORMAT_VERSION)
 LAYOUT_FILE = "matrixfsdp_layout.json"
 COMPLETE_FILE = "COMPLETE"
 
@@ -60,8 +80,30 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def _drop_none(data: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
+    """``data`` without the ``keys`` whose value is None (fields a layout without TP omits)."""
+    return {k: v for k, v in data.items() if not (k in keys and v is None)}
+
+
+class TpEntry(BaseModel):
+    """How the saving model split a TP matrix over its tp mesh (``torch.chunk`` sizes)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    shard_dim: int = Field(ge=0, le=1)
+    tp_size: int = Field(ge=1)
+    local_sizes: tuple[int, ...]
+
+    @model_validator(mode="after")
+    def _sizes(self) -> TpEntry:
+        if len(self.local_sizes) != self.tp_size or min(self.local_sizes, default=0) < 0:
+            raise ValueError(f"local_sizes {self.local_sizes} must be tp_size={self.tp_size} "
+                             "non-negative sizes")
+        return self
+
+
 class TensorEntry(BaseModel):
-    """One entry of the saved model state dict."""
+    """One entry of the saved model state dict (a matrix's ``shape`` is the global one)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -70,6 +112,22 @@ class TensorEntry(BaseModel):
     dtype: str
     role: Role
     owner_rank: int | None = None
+    tp: TpEntry | None = None  # a TP matrix's split at save time (written only when set)
+
+    @model_validator(mode="after")
+    def _tp_fits(self) -> TensorEntry:
+        if self.tp is None:
+            return self
+        if self.role != "matrix" or len(self.shape) != 2:
+            raise ValueError(f"{self.fqn!r}: only 2-D matrices carry a TP layout")
+        if sum(self.tp.local_sizes) != self.shape[self.tp.shard_dim]:
+            raise ValueError(f"{self.fqn!r}: TP sizes {self.tp.local_sizes} do not add up to "
+                             f"dim {self.tp.shard_dim} of shape {self.shape}")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _omit_tp(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _drop_none(handler(self), ("tp",))
 
 
 class GroupLayout(BaseModel):
@@ -106,6 +164,24 @@ class CheckpointLayout(BaseModel):
     plan_hash: str
     model: tuple[TensorEntry, ...]
     optimizer: OptimizerLayout | None = None
+    tp_size: int | None = Field(default=None, ge=1)  # the saving tp mesh; None: no TP
+
+    @model_serializer(mode="wrap")
+    def _omit_tp(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _drop_none(handler(self), ("tp_size",))
+
+    @model_validator(mode="after")
+    def _tp_consistent(self) -> CheckpointLayout:
+        has_tp = self.tp_size is not None
+        if self.format_version != (TP_FORMAT_VERSION if has_tp else FORMAT_VERSION):
+            raise ValueError(f"format_version {self.format_version} with tp_size={self.tp_size}: "
+                             f"a layout with TP has format_version {TP_FORMAT_VERSION}, one "
+                             f"without has {FORMAT_VERSION}")
+        for e in self.model:
+            if e.tp is not None and e.tp.tp_size != self.tp_size:
+                raise ValueError(f"matrix {e.fqn!r}: tp_size {e.tp.tp_size} differs from the "
+                                 f"layout's tp_size={self.tp_size}")
+        return self
 
     @model_validator(mode="after")
     def _consistent(self) -> CheckpointLayout:
@@ -140,6 +216,11 @@ class CheckpointLayout(BaseModel):
         """``(replicate, shard)`` of the saving mesh (flat for layouts written before HSDP)."""
         return self.mesh_shape if self.mesh_shape is not None else (1, self.world_size)
 
+    @property
+    def saved_tp_size(self) -> int:
+        """The saving model's tp size (1 without TP)."""
+        return self.tp_size or 1
+
 
 class CompleteMarker(BaseModel):
     """Content of the ``COMPLETE`` file, written last: enough for ``latest()``."""
@@ -160,11 +241,11 @@ def parse_layout(text: str | bytes, path: Path) -> CheckpointLayout:
     if not isinstance(raw, dict):
         raise CorruptCheckpointError(f"{path}: the layout must be a JSON object")
     version = raw.get("format_version")
-    if version != FORMAT_VERSION:
+    if version not in READABLE_FORMAT_VERSIONS:
         raise UnsupportedFormatError(
             f"{path}: layout format_version {version!r} is not supported; this matrixfsdp "
-            f"reads format_version {FORMAT_VERSION}. Load it with the matrixfsdp release that "
-            "wrote it (and export_full it), or upgrade matrixfsdp"
+            f"reads format_version {' and '.join(map(str, READABLE_FORMAT_VERSIONS))}. Load it "
+            "with the matrixfsdp release that wrote it (and export_full it), or upgrade matrixfsdp"
         )
     plan = raw.get("plan")
     plan_version = plan.get("format_version") if isinstance(plan, dict) else None
