@@ -40,7 +40,7 @@ from torch.distributed.tensor.parallel import (
 import matrixfsdp as mf
 
 from .checks import assert_close_dicts, reference_values
-from .dist_utils import run_subtests, run_world
+from .dist_utils import device_type, run_subtests, run_world, test_device
 from .models import TinyTransformer, global_batch, lm_loss, local_batch
 
 FULL = StateDictOptions(full_state_dict=True)
@@ -49,9 +49,9 @@ MLP_PLAN = {"up": ColwiseParallel(), "down": RowwiseParallel()}
 
 def _meshes(hsdp: bool) -> tuple[DeviceMesh, DeviceMesh]:
     if hsdp:
-        mesh = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("replicate", "shard", "tp"))
+        mesh = init_device_mesh(device_type(), (1, 2, 2), mesh_dim_names=("replicate", "shard", "tp"))
         return mesh["replicate", "shard"], mesh["tp"]
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    mesh = init_device_mesh(device_type(), (2, 2), mesh_dim_names=("dp", "tp"))
     return mesh["dp"], mesh["tp"]
 
 
@@ -183,7 +183,7 @@ def _hf_llama(rank: int, world: int) -> None:
         num_key_value_heads=2, intermediate_size=24, max_position_embeddings=64,
         attention_dropout=0.0)
     torch.manual_seed(0)
-    ref = transformers.LlamaForCausalLM(config).train()
+    ref = transformers.LlamaForCausalLM(config).train().to(test_device())
     model = copy.deepcopy(ref)
     for layer in model.model.layers:
         parallelize_module(layer, tp, HF_LLAMA_PLAN)
@@ -194,6 +194,7 @@ def _hf_llama(rank: int, world: int) -> None:
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     for step in range(3):
         tokens = torch.randint(0, 50, (4, 9), generator=torch.Generator().manual_seed(step))
+        tokens = tokens.to(test_device())
         _hf_loss(model, tokens.chunk(batches)[me]).backward()
         (sum(_hf_loss(ref, t) for t in tokens.chunk(batches)) / batches).backward()
         if step == 0:
@@ -246,7 +247,7 @@ def _optimizer_round_trip(rank: int, world: int, path: str, make_opt: str) -> No
 
 
 def _errors(rank: int, world: int) -> None:
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    mesh = init_device_mesh(device_type(), (2, 2), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(0)
     replicated = TinyTransformer(dim=16, hidden=40, layers=2)
     weight = replicated.layers[0].up.weight
@@ -255,7 +256,7 @@ def _errors(rank: int, world: int) -> None:
     with pytest.raises(NotImplementedError, match=r"layers\.0\.up\.weight.*replicated over the tp"):
         mf.fully_shard_matrix(replicated, mesh["dp"])
     # tp outermost: the TP shards would span nodes.
-    outer = init_device_mesh("cpu", (2, 2), mesh_dim_names=("tp", "dp"))
+    outer = init_device_mesh(device_type(), (2, 2), mesh_dim_names=("tp", "dp"))
     model = TinyTransformer(dim=16, hidden=40, layers=2)
     for block in model.layers:
         parallelize_module(block, outer["tp"], MLP_PLAN)
@@ -281,3 +282,9 @@ def _cases(rank: int, world: int, path: str) -> None:
 
 def test_tp_matches_single_process(tmp_path) -> None:
     run_world(4, _cases, str(tmp_path))
+
+
+@pytest.mark.gpu
+def test_tp_on_cuda(tmp_path) -> None:
+    """The same cases on NCCL (4 GPUs)."""
+    run_world(4, _cases, str(tmp_path), device="cuda")
