@@ -87,7 +87,12 @@ def _cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
     except (ConfigError, ValueError) as exc:  # bad config; checkpoints there and no flag
         print(f"matrixfsdp train: {exc}", file=sys.stderr)
         return 2
-    if args.tr_nnodes is None and cfg.nproc % (cfg.replicate * cfg.tp):  # the world is known
+    if args.tr_nnodes is None and cfg.nproc % cfg.replicate:  # one node: the world is known
+        print(f"matrixfsdp train: --replicate {cfg.replicate} does not divide the {cfg.nproc} "
+              f"ranks (ranks = replicate x shard size); choose a divisor of {cfg.nproc}",
+              file=sys.stderr)
+        return 2
+    if args.tr_nnodes is None and cfg.nproc % (cfg.replicate * cfg.tp):
         print(f"matrixfsdp train: --replicate {cfg.replicate} x --tp {cfg.tp} does not divide "
               f"the {cfg.nproc} ranks (ranks = replicate x shard size x tp); choose divisors of "
               f"{cfg.nproc}", file=sys.stderr)
@@ -134,10 +139,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.json:
         print(plan.to_json(indent=2))
     else:
-        mesh = "" if args.replicate == 1 and args.tp == 1 else (
-            f" = {args.replicate} replicas x {plan.world_size} dp ranks x {args.tp} tp ranks "
-            "(ranks below: the dp ranks of one replica; each holds its matrices' TP shards, "
-            f"1/{args.tp} of the bytes below per GPU)")
+        mesh = "" if args.replicate == 1 else (
+            f" = {args.replicate} replicas x {plan.world_size} (HSDP; ranks below: one replica)")
+        if args.tp > 1:
+            mesh = (f" = {args.replicate} replicas x {plan.world_size} dp ranks x {args.tp} tp "
+                    "ranks (ranks below: the dp ranks of one replica; each holds its matrices' "
+                    f"TP shards, 1/{args.tp} of the bytes below per GPU)")
         print(format_plan(plan, title=f"owner plan for {args.model} on {args.world_size} ranks"
                                       f"{mesh} (cost: {args.optimizer})"))
     return 0
