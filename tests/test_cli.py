@@ -155,3 +155,28 @@ def test_tp_config_must_split_heads_and_hidden() -> None:
     assert load_config(None, tp=2).tp == 2
     with pytest.raises(ConfigError, match=r"model\.heads \(4\) must be divisible by tp \(3\)"):
         load_config(None, tp=3)
+
+
+def _train_tp(rank: int, world: int, out: str) -> None:
+    from matrixfsdp.launch.config import load_config
+    from matrixfsdp.launch.train import train
+
+    overrides = {a.split("=")[0]: json.loads(a.split("=")[1]) for a in TINY[1::2]}
+    losses = {}
+    for tp in (1, 2):
+        cfg = load_config(None, tp=tp, steps=4, out=f"{out}/tp{tp}", eval_every=4,
+                          checkpoint_every=4, **overrides)
+        losses[tp] = [r["loss"] for r in train(cfg)]
+    if rank == 0:  # the same math: TP splits the blocks, the step sees whole matrices
+        for a, b in zip(losses[1], losses[2], strict=True):
+            assert abs(a - b) <= 1e-5 * abs(a), (losses[1], losses[2])
+
+
+def test_train_with_tensor_parallelism(tmp_path: Path) -> None:
+    """``train --tp 2`` (the default GPT parallelized) follows the ``--tp 1`` run's losses and
+    checkpoints a layout that records the TP split."""
+    run_world(2, _train_tp, str(tmp_path))
+    latest = mf.checkpoint.latest(tmp_path / "tp2" / "checkpoints")
+    assert latest is not None
+    layout = mf.checkpoint.read_layout(latest)
+    assert layout.tp_size == 2 and layout.world_size == 1
