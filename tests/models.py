@@ -69,6 +69,7 @@ class TinyTransformer(nn.Module):
         if tie:
             self.head.weight = self.embed.weight
         self.checkpointing = checkpointing
+        self.reentrant = False  # with checkpointing: torch.utils.checkpoint's use_reentrant
         for name, p in self.named_parameters():
             if p.ndim == 2:
                 nn.init.normal_(p, std=1.0 / math.sqrt(p.shape[-1]))
@@ -84,7 +85,8 @@ class TinyTransformer(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens)
         for layer in self.layers:
-            x = checkpoint(layer, x, use_reentrant=False) if self.checkpointing else layer(x)
+            x = (checkpoint(layer, x, use_reentrant=self.reentrant) if self.checkpointing
+                 else layer(x))
         return self.head(self.norm(x))
 
 

@@ -5,13 +5,17 @@ A ``TinyTransformer`` whose MLPs are ``parallelize_module``'d on ``mesh["tp"]`` 
 then ``fully_shard_matrix(model, mesh["dp"])``: dp 2 x tp 2 and HSDP 1 x 2 x 2 at world 4, gloo.
 Checked: each owner row's TP-shard gradients and the tail's (<= 1e-6 relative), the global
 gradient norm, 3 SGD-momentum steps through ``get_model_state_dict`` (<= 1e-5), torch's state-dict
-API (full get/set, sharded ``dcp.save``/``dcp.load``), that a non-owner row holds no bytes of a
-TP matrix, and the errors for layouts that are not supported.
+API (full get/set, sharded ``dcp.save``/``dcp.load``, optimizer state of Muon and SGD), the
+training patterns of ``test_patterns`` that touch the TP view (checkpointing both ways, two
+forwards, no-grad forwards, freezing after wrapping), a Hugging Face Llama parallelized as
+torchtitan does with Muon, that a non-owner row holds no bytes of a TP matrix, and the errors for
+layouts that are not supported. Each optimizer's whole-matrix step: ``tests/test_tp_step.py``.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import math
 
 import pytest
@@ -42,6 +46,7 @@ import matrixfsdp as mf
 from .checks import assert_close_dicts, reference_values
 from .dist_utils import device_type, run_subtests, run_world, test_device
 from .models import TinyTransformer, global_batch, lm_loss, local_batch
+from .test_tp_step import E2E, _E2EReference
 
 FULL = StateDictOptions(full_state_dict=True)
 MLP_PLAN = {"up": ColwiseParallel(), "down": RowwiseParallel()}
@@ -190,8 +195,10 @@ def _hf_llama(rank: int, world: int) -> None:
     mf.fully_shard_matrix(model, dp)
     assert sum(mp.tp is not None for mp in mf.get_state(model).params.values()) == 14
     me, batches = _dp_coords(dp)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    # Muon on every matrix (whole on its step owner), AdamW on the tail; the reference steps
+    # each whole matrix with the same registered Muon in one process.
+    opt = mf.MatrixOptimizer(model, "muon", **E2E, ns_dtype="float32")
+    reference = _E2EReference(ref, set(mf.get_state(model).params), "muon")
     for step in range(3):
         tokens = torch.randint(0, 50, (4, 9), generator=torch.Generator().manual_seed(step))
         tokens = tokens.to(test_device())
@@ -200,9 +207,8 @@ def _hf_llama(rank: int, world: int) -> None:
         if step == 0:
             _check_grads(model, ref)
         opt.step()
-        ref_opt.step()
+        reference.step()
         opt.zero_grad()
-        ref_opt.zero_grad()
         assert_close_dicts(_full_params(model), reference_values(ref), 1e-5, f"HF step {step + 1}")
 
 
@@ -246,6 +252,55 @@ def _optimizer_round_trip(rank: int, world: int, path: str, make_opt: str) -> No
     assert_close_dicts(_full_params(model), after, 0.0, f"{make_opt}: step after dcp.load")
 
 
+def _two_forwards_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    half = tokens.shape[0] // 2
+    return lm_loss(model, tokens[:half]) + lm_loss(model, tokens[half:])
+
+
+PATTERN_LOSSES = {"two forwards, one backward": _two_forwards_loss}
+
+
+def _pattern(rank: int, world: int, name: str) -> None:
+    """A training pattern on TP matrices, 2 SGD steps against one process (see test_patterns)."""
+    dp, tp = _meshes(hsdp=False)
+    torch.manual_seed(0)
+    ref = TinyTransformer(dim=16, hidden=40, layers=2)
+    model = _tp_model(ref, dp, tp)
+    if name.endswith("reentrant checkpointing"):
+        for m in (model, ref):
+            m.checkpointing, m.reentrant = True, not name.startswith("non-")
+    if name == "frozen after wrapping":
+        for m in (model, ref):
+            m.layers[0].up.weight.requires_grad_(False)
+            m.layers[1].down.weight.requires_grad_(False)
+    loss_fn = PATTERN_LOSSES.get(name, lm_loss)
+    me, batches = _dp_coords(dp)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for step in range(2):
+        tokens = global_batch(step)
+        loss_fn(model, local_batch(tokens, me, batches)).backward()
+        (sum(loss_fn(ref, local_batch(tokens, i, batches)) for i in range(batches))
+         / batches).backward()
+        if step == 0:
+            _check_grads(model, ref)
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+        if name == "no_grad and eval forwards between steps":
+            with torch.no_grad():
+                model.eval()
+                lm_loss(model, local_batch(tokens, me, batches))
+                model.train()
+        assert_close_dicts(_full_params(model), reference_values(ref), 1e-5,
+                           f"{name}, step {step + 1}")
+
+
+PATTERNS = ("reentrant checkpointing", "non-reentrant checkpointing",
+            "two forwards, one backward", "no_grad and eval forwards between steps",
+            "frozen after wrapping")
+
+
 def _errors(rank: int, world: int) -> None:
     mesh = init_device_mesh(device_type(), (2, 2), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(0)
@@ -276,6 +331,8 @@ def _cases(rank: int, world: int, path: str) -> None:
         "optimizer state round trip (sgd)": lambda: _optimizer_round_trip(
             rank, world, path + "/sgd", "sgd"),
         "hf llama, torchtitan-style plan with sequence parallel": lambda: _hf_llama(rank, world),
+        **{f"pattern: {name}": functools.partial(_pattern, rank, world, name)
+           for name in PATTERNS},
         "errors": lambda: _errors(rank, world),
     })
 
