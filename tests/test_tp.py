@@ -301,6 +301,33 @@ PATTERNS = ("reentrant checkpointing", "non-reentrant checkpointing",
             "frozen after wrapping")
 
 
+def _meta_init_warns(rank: int, world: int) -> None:
+    """TP matrices materialized from meta are outside the per-matrix init streams: one warning."""
+    import logging
+
+    from matrixfsdp.runtime import init_rng
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    init_rng.logger.addHandler(handler)
+    init_rng._warned_tp.clear()
+    try:
+        dp, tp = _meshes(hsdp=False)
+        with torch.device("meta"):
+            model = TinyTransformer(dim=16, hidden=40, layers=2)
+        for block in model.layers:
+            parallelize_module(block, tp, MLP_PLAN)
+        mf.fully_shard_matrix(model, dp)
+        model.to_empty(device=test_device())
+    finally:
+        init_rng.logger.removeHandler(handler)
+    warned = [r for r in records if "TP matrices were materialized from meta" in r.getMessage()]
+    assert len(warned) == 1 and "layers.0.up.weight" in warned[0].getMessage()
+    assert all(mp.init_rng is None for mp in mf.get_state(model).params.values()
+               if mp.tp is not None)
+
+
 def _errors(rank: int, world: int) -> None:
     mesh = init_device_mesh(device_type(), (2, 2), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(0)
@@ -333,6 +360,7 @@ def _cases(rank: int, world: int, path: str) -> None:
         "hf llama, torchtitan-style plan with sequence parallel": lambda: _hf_llama(rank, world),
         **{f"pattern: {name}": functools.partial(_pattern, rank, world, name)
            for name in PATTERNS},
+        "meta init of TP matrices warns": lambda: _meta_init_warns(rank, world),
         "errors": lambda: _errors(rank, world),
     })
 

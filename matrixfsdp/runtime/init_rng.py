@@ -35,7 +35,8 @@ An ``_apply`` inside the window (``model.bfloat16()``) keeps it open and the str
 When the window closes the parameter's class is ``nn.Parameter`` again and derived tensors
 behave like plain tensors (copies and pickles of them are plain tensors at any time).
 
-Not covered: values drawn into a tensor not derived from the matrix and copied in
+Not covered: TP matrices (see [Note: TP matrices]; a warning names them), values drawn into a
+tensor not derived from the matrix and copied in
 (``w.copy_(torch.randn(...))``), draws given an explicit ``generator=`` (used as given), init
 after the window closed, one call drawing for two matrices (it uses the default generator),
 devices without ``torch.<type>.default_generators`` and parameters of an ``nn.Parameter``
@@ -75,6 +76,7 @@ logger = logging.getLogger(__name__)
 _RNG_ATTR = "_matrixfsdp_init_rng"  # the MatrixInitRng on a tagged tensor's __dict__
 _open_windows = 0  # MatrixInitRng objects open in this process: end_init_window's fast path
 _warned_devices: set[str] = set()
+_warned_tp: list[bool] = []  # non-empty once the TP-from-meta warning was given
 
 
 def matrix_init_seed(seed: int, fqn: str) -> int:
@@ -329,5 +331,15 @@ def init_window_across_apply(params: Iterable[MatrixParam]) -> Iterator[None]:
             carried.add(id(mp))
     was_meta = [mp.sharded.is_meta for mp in params]
     yield
+    tp_from_meta = [mp.fqn for mp, meta in zip(params, was_meta, strict=True)
+                    if meta and getattr(mp, "tp", None) is not None]
+    if tp_from_meta and not _warned_tp:
+        _warned_tp.append(True)  # once per process: to_empty calls _apply module by module
+        logger.warning(
+            "matrixfsdp: TP matrices were materialized from meta (%s, ...): each tp rank's shard "
+            "draws from its default generator, not from a per-matrix stream (a TP shard is not "
+            "the whole matrix, and its fan-in is the shard's); initialize them before "
+            "parallelize_module, or load their values (matrixfsdp.checkpoint.load, "
+            "set_model_state_dict)", ", ".join(tp_from_meta[:4]))
     begin_init_window(mp for mp, meta in zip(params, was_meta, strict=True)
-                      if meta or id(mp) in carried)
+                      if (meta or id(mp) in carried) and getattr(mp, "tp", None) is None)
