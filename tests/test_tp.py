@@ -301,6 +301,32 @@ PATTERNS = ("reentrant checkpointing", "non-reentrant checkpointing",
             "frozen after wrapping")
 
 
+def _mixed_precision(rank: int, world: int) -> None:
+    """bf16 compute, fp32 reduction and master weights: each TP shard's gradient lands in fp32
+    on its owner row within bf16 rounding of the fp32 reference (a misplaced shard is O(1))."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    dp, tp = _meshes(hsdp=False)
+    torch.manual_seed(0)
+    ref = TinyTransformer(dim=16, hidden=40, layers=2)
+    model = copy.deepcopy(ref)
+    for block in model.layers:
+        parallelize_module(block, tp, MLP_PLAN)
+    mf.fully_shard_matrix(model, dp, mp_policy=MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    me, batches = _dp_coords(dp)
+    tokens = global_batch(0)
+    lm_loss(model, local_batch(tokens, me, batches)).backward()
+    _reference_backward(ref, tokens, batches)
+    want = reference_values(ref, "grad")
+    for fqn, mp in mf.get_state(model).params.items():
+        if mp.tp is None or not mp.is_owner or want[fqn] is None:
+            continue
+        assert mp.sharded.dtype == mp.sharded.grad.dtype == torch.float32, fqn
+        assert_close_dicts({fqn: mp.sharded.grad},
+                           {fqn: mp.tp.slice_of(want[fqn], mp.tp.tp_rank)}, 5e-2, "bf16 grad")
+
+
 def _meta_init_warns(rank: int, world: int) -> None:
     """TP matrices materialized from meta are outside the per-matrix init streams: one warning."""
     import logging
@@ -360,6 +386,7 @@ def _cases(rank: int, world: int, path: str) -> None:
         "hf llama, torchtitan-style plan with sequence parallel": lambda: _hf_llama(rank, world),
         **{f"pattern: {name}": functools.partial(_pattern, rank, world, name)
            for name in PATTERNS},
+        "mixed precision": lambda: _mixed_precision(rank, world),
         "meta init of TP matrices warns": lambda: _meta_init_warns(rank, world),
         "errors": lambda: _errors(rank, world),
     })
