@@ -265,7 +265,10 @@ def _pattern(rank: int, world: int, name: str) -> None:
     dp, tp = _meshes(hsdp=False)
     torch.manual_seed(0)
     ref = TinyTransformer(dim=16, hidden=40, layers=2)
-    model = _tp_model(ref, dp, tp)
+    model = copy.deepcopy(ref)
+    for block in model.layers:
+        parallelize_module(block, tp, MLP_PLAN)
+    mf.fully_shard_matrix(model, dp, reshard_after_forward=name != "reshard_after_forward=False")
     if name.endswith("reentrant checkpointing"):
         for m in (model, ref):
             m.checkpointing, m.reentrant = True, not name.startswith("non-")
@@ -277,11 +280,15 @@ def _pattern(rank: int, world: int, name: str) -> None:
     me, batches = _dp_coords(dp)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    micro = 2 if name == "accumulation, sync off then on" else 1
     for step in range(2):
-        tokens = global_batch(step)
-        loss_fn(model, local_batch(tokens, me, batches)).backward()
-        (sum(loss_fn(ref, local_batch(tokens, i, batches)) for i in range(batches))
-         / batches).backward()
+        for k in range(micro):  # micro-batches: tokens of step + 10 k
+            tokens = global_batch(step + 10 * k)
+            if micro > 1:
+                mf.set_requires_gradient_sync(model, k == micro - 1)
+            loss_fn(model, local_batch(tokens, me, batches)).backward()
+            (sum(loss_fn(ref, local_batch(tokens, i, batches)) for i in range(batches))
+             / batches).backward()
         if step == 0:
             _check_grads(model, ref)
         for o in (opt, ref_opt):
@@ -298,7 +305,8 @@ def _pattern(rank: int, world: int, name: str) -> None:
 
 PATTERNS = ("reentrant checkpointing", "non-reentrant checkpointing",
             "two forwards, one backward", "no_grad and eval forwards between steps",
-            "frozen after wrapping")
+            "frozen after wrapping", "accumulation, sync off then on",
+            "reshard_after_forward=False")
 
 
 def _mixed_precision(rank: int, world: int) -> None:
