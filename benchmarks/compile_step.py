@@ -27,7 +27,7 @@ from torch.distributed.fsdp import fully_shard
 
 import matrixfsdp as mf
 
-from .config import ModelConfig
+from .config import ModelConfig, add_model_flags, model_from_flags
 from .launch import run_world
 from .model import build_gpt, global_tokens, lm_loss, local_tokens
 
@@ -78,13 +78,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--backend", default="inductor")
-    defaults = ModelConfig()
-    for name in ("dim", "layers", "heads", "mlp_hidden", "seq_len"):
-        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
+    add_model_flags(p)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    cfg = ModelConfig(dim=args.dim, layers=args.layers, heads=args.heads,
-                      mlp_hidden=args.mlp_hidden, seq_len=args.seq_len)
+    cfg = model_from_flags(args)
     results = run_world(args.world, compile_worker, cfg, args.steps, args.warmup, args.backend)
     slowest: dict[str, Any] = {v: [max(r[v][i] for r in results) for i in range(args.steps)]
                                for v in VARIANTS}

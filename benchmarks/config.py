@@ -15,6 +15,8 @@ __all__ = [
     "BenchConfig",
     "ModelConfig",
     "OptimConfig",
+    "add_model_flags",
+    "model_from_flags",
 ]
 
 # Run order inside one round; the timing loop rotates it every round.
@@ -67,6 +69,23 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
         if self.dim % self.heads:
             raise ValueError(f"ModelConfig.dim ({self.dim}) must be divisible by heads ({self.heads})")
+
+
+_SHAPE_FLAGS = ("dim", "layers", "heads", "mlp_hidden", "seq_len")
+
+
+def add_model_flags(parser: Any) -> None:
+    """``--dim --layers --heads --mlp-hidden --seq-len`` on an ``argparse`` parser."""
+    defaults = ModelConfig()
+    for name in _SHAPE_FLAGS:
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int,
+                            default=getattr(defaults, name),
+                            help=f"model {name} (default {getattr(defaults, name)})")
+
+
+def model_from_flags(args: Any) -> ModelConfig:
+    """The ``ModelConfig`` of parsed ``add_model_flags`` flags."""
+    return ModelConfig(**{name: getattr(args, name) for name in _SHAPE_FLAGS})
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from torch.distributed.fsdp import fully_shard
 import matrixfsdp as mf
 from matrixfsdp.runtime.state import MatrixFSDPState
 
-from .config import ModelConfig
+from .config import ModelConfig, add_model_flags, model_from_flags
 from .launch import run_world
 from .model import build_gpt, global_tokens, lm_loss, local_tokens
 
@@ -104,13 +104,10 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.hook_overhead", description=__doc__)
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--steps", type=int, default=10)
-    defaults = ModelConfig()
-    for name in ("dim", "layers", "heads", "mlp_hidden", "seq_len"):
-        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
+    add_model_flags(p)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    cfg = ModelConfig(dim=args.dim, layers=args.layers, heads=args.heads,
-                      mlp_hidden=args.mlp_hidden, seq_len=args.seq_len)
+    cfg = model_from_flags(args)
     print(f"# hook CPU time per step (rank 0), world {args.world}, {args.steps} steps, {cfg}")
     for strategy in ("fsdp2", "matrixfsdp"):
         result = run_world(args.world, hook_worker, strategy, cfg, args.steps)[0]

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
-from .config import BenchConfig, ModelConfig, OptimConfig
+from .config import BenchConfig, OptimConfig, add_model_flags, model_from_flags
 from .launch import run_world
 from .strategies import build_strategy
 from .worker import _context, _tokens
@@ -104,14 +104,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--profiled", type=int, default=3)
     p.add_argument("--strategies", nargs="+", default=["fsdp2_adamw", "matrixfsdp"])
-    defaults = ModelConfig()
-    for name in ("dim", "layers", "heads", "mlp_hidden", "seq_len"):
-        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name),
-                       help=f"model {name} (default {getattr(defaults, name)})")
+    add_model_flags(p)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    model = ModelConfig(dim=args.dim, layers=args.layers, heads=args.heads,
-                        mlp_hidden=args.mlp_hidden, seq_len=args.seq_len)
+    model = model_from_flags(args)
     cfg = BenchConfig(model=model, optim=OptimConfig.for_name("muon"),
                       world_size=args.world, warmup=2, steps=args.steps,
                       strategies=tuple(args.strategies))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import functools
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -60,11 +61,12 @@ def _meshes(hsdp: bool) -> tuple[DeviceMesh, DeviceMesh]:
     return mesh["dp"], mesh["tp"]
 
 
-def _tp_model(ref: nn.Module, dp: DeviceMesh, tp: DeviceMesh) -> nn.Module:
+def _tp_model(ref: nn.Module, dp: DeviceMesh, tp: DeviceMesh, **wrap_kwargs: Any) -> nn.Module:
+    """A copy of ``ref`` with its MLPs parallelized on ``tp``, wrapped on ``dp``."""
     model = copy.deepcopy(ref)
     for block in model.layers:
         parallelize_module(block, tp, MLP_PLAN)
-    return mf.fully_shard_matrix(model, dp)
+    return mf.fully_shard_matrix(model, dp, **wrap_kwargs)
 
 
 def _dp_coords(dp: DeviceMesh) -> tuple[int, int]:
@@ -265,10 +267,7 @@ def _pattern(rank: int, world: int, name: str) -> None:
     dp, tp = _meshes(hsdp=False)
     torch.manual_seed(0)
     ref = TinyTransformer(dim=16, hidden=40, layers=2)
-    model = copy.deepcopy(ref)
-    for block in model.layers:
-        parallelize_module(block, tp, MLP_PLAN)
-    mf.fully_shard_matrix(model, dp, reshard_after_forward=name != "reshard_after_forward=False")
+    model = _tp_model(ref, dp, tp, reshard_after_forward=name != "reshard_after_forward=False")
     if name.endswith("reentrant checkpointing"):
         for m in (model, ref):
             m.checkpointing, m.reentrant = True, not name.startswith("non-")
@@ -317,10 +316,7 @@ def _mixed_precision(rank: int, world: int) -> None:
     dp, tp = _meshes(hsdp=False)
     torch.manual_seed(0)
     ref = TinyTransformer(dim=16, hidden=40, layers=2)
-    model = copy.deepcopy(ref)
-    for block in model.layers:
-        parallelize_module(block, tp, MLP_PLAN)
-    mf.fully_shard_matrix(model, dp, mp_policy=MixedPrecisionPolicy(
+    model = _tp_model(ref, dp, tp, mp_policy=MixedPrecisionPolicy(
         param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
     me, batches = _dp_coords(dp)
     tokens = global_batch(0)
