@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import time
 import weakref
 from contextlib import nullcontext
 from unittest import mock
@@ -116,6 +117,21 @@ class _PackedBuffers(TorchOwnerComm):
         return own, pending
 
 
+def _held_buffers(alive: list[weakref.ref], settle_s: float = 0.25) -> int:
+    """How many earlier reduction buffers are still alive, once gloo has let go of them.
+
+    A waited gloo work is released to the waiter a moment before gloo's worker thread drops its
+    own reference to the work (and so to the buffer). Poll for up to ``settle_s`` so that only
+    buffers the runtime itself still holds are counted; those never go away by waiting.
+    """
+    deadline = time.monotonic() + settle_s
+    while True:
+        held = sum(ref() is not None for ref in alive)
+        if held == 0 or time.monotonic() >= deadline:
+            return held
+        time.sleep(0.002)
+
+
 def _measured_step(rank: int, world: int, *, reduce_limit: int | None = None,
                    packed: bool = False, padded: bool = True) -> tuple[int, int, int]:
     """(peak live bytes of one full step after warm-up, bound, most reduction buffers alive).
@@ -139,7 +155,7 @@ def _measured_step(rank: int, world: int, *, reduce_limit: int | None = None,
     issue = state.comm.reduce_to_owners
 
     def counting(flat: torch.Tensor, *args: object, **kw: object) -> object:
-        most[0] = max(most[0], 1 + sum(r() is not None for r in alive))
+        most[0] = max(most[0], 1 + _held_buffers(alive))
         alive.append(weakref.ref(flat))
         return issue(flat, *args, **kw)
 
