@@ -23,6 +23,9 @@ Sections (rows of the one table; each is guarded, so a failure shows as a FAILED
 5. OKLS steps on four 4096² matrices with on-device state and with ``offload_state="cpu"``
    (both one matrix at a time): median step ms, the ratio, and whether both give bitwise the
    same parameters.
+6. One launch per group: a group's per-matrix broadcasts and per-segment reduces (64 matrices
+   of 4096 elements) on the one-rank NCCL group, coalesced and one by one: the profiler's count
+   of ``nccl:coalesced`` launches per call, the values kept, and median ms of each.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
 import math
 import os
 import sys
@@ -72,6 +76,8 @@ class Sizes:
     global_batch: int
     corpus_bytes: int
     loopback_bytes: int
+    launch_count: int = 64
+    launch_numel: int = 4096
 
 
 SIZES = {
@@ -80,7 +86,8 @@ SIZES = {
                   corpus_bytes=400_000, loopback_bytes=256 << 20),
     "tiny": Sizes(ns=(64, 96), root_d=48, root_batch=2, okls_d=48, okls_count=3, okls_steps=2,
                   model={"dim": 32, "layers": 2, "heads": 2, "hidden": 64, "seq_len": 16},
-                  train_steps=2, global_batch=4, corpus_bytes=20_000, loopback_bytes=1 << 16),
+                  train_steps=2, global_batch=4, corpus_bytes=20_000, loopback_bytes=1 << 16,
+                  launch_count=6, launch_numel=64),
 }
 
 
@@ -364,6 +371,55 @@ def okls_offload(sizes: Sizes, device: torch.device) -> list[dict[str, Any]]:
                  f"bitwise equal to on-device: {'yes' if same else 'NO'}", ok=same)]
 
 
+# -- 6. One launch per group -------------------------------------------------------------------------
+def _launches(fn: Callable[[], None], device: torch.device) -> dict[str, int]:
+    """Profiler event counts of one call of ``fn``: coalesced launches and per-op collectives."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        fn()
+        _sync(device)
+    names = [e.name for e in prof.events()]
+    return {"coalesced": names.count("nccl:coalesced"),
+            "ops": sum(n in ("nccl:broadcast", "nccl:reduce") for n in names)}
+
+
+def _wait(issue: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+    issue(*args, **kwargs).wait()
+
+
+def one_launch_per_group(sizes: Sizes, device: torch.device) -> list[dict[str, Any]]:
+    """The runtime skips collectives at world 1, so the forms are called on the group directly."""
+    from matrixfsdp.collectives.torch_backend import TorchOwnerComm, backend_coalesces
+
+    section = "one launch per group"
+    if not backend_coalesces(None, device):
+        return [_row(section, "skipped", "", None, "",
+                     f"{dist.get_backend()} does not coalesce (NCCL does)")]
+    shape = f"{sizes.launch_count} × {sizes.launch_numel}"
+    tensors = [torch.full((sizes.launch_numel,), float(i), device=device)
+               for i in range(sizes.launch_count)]
+    flat = torch.cat(tensors)
+    before = [t.clone() for t in tensors], flat.clone()
+    rows = []
+    for coalesce in (True, False):
+        comm = TorchOwnerComm(coalesce=coalesce)
+        gather = functools.partial(_wait, comm._gather_broadcast, [tensors], async_op=True)
+        reduce = functools.partial(_wait, comm._reduce_p2p, flat, [flat], async_op=True)
+        for name, fn, ops in (("gather", gather, sizes.launch_count), ("reduce", reduce, 1)):
+            counts = _launches(fn, device)
+            ms, _ = _time(fn, device, warmup=3, repeats=21)
+            kept = (all(torch.equal(a, b) for a, b in zip(before[0], tensors, strict=True))
+                    and torch.equal(before[1], flat))
+            want = {"coalesced": 1 if coalesce else 0, "ops": ops}
+            rows.append(_row(section, f"{name}, {'coalesced' if coalesce else 'one by one'}",
+                             shape, ms * 1e3, f"{counts['coalesced']} coalesced launch(es)",
+                             f"{counts['ops']} ops; values kept: {'yes' if kept else 'NO'}",
+                             ok=kept and counts == want))
+    return rows
+
+
 # -- driver -----------------------------------------------------------------------------------------
 def _guarded(name: str, fn: Callable[[], list[dict[str, Any]]]) -> list[dict[str, Any]]:
     start = time.perf_counter()
@@ -397,7 +453,8 @@ def run(sizes: Sizes, device: torch.device) -> list[dict[str, Any]]:
     def distributed() -> list[dict[str, Any]]:
         out = _guarded("runtime_smoke", lambda: runtime_smoke(sizes, device, corpus))
         out += _guarded("nvshmem", lambda: nvshmem_one_pe(sizes, device, corpus))
-        return out + _guarded("okls_offload", lambda: okls_offload(sizes, device))
+        out += _guarded("okls_offload", lambda: okls_offload(sizes, device))
+        return out + _guarded("one_launch", lambda: one_launch_per_group(sizes, device))
 
     return rows + _with_world_one(device, distributed)
 

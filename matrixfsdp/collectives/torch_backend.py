@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import os
+from collections.abc import Iterator, Sequence
 from typing import Literal
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _coalescing_manager
 from torch.profiler import record_function
 
 from .base import CommCounter, OwnerComm, Pending, ReplicateComm, _UnpackOnWait
 
-__all__ = ["PADDED_MAX_BYTES", "TorchOwnerComm", "TorchReplicateComm", "gather_form", "reduce_form"]
+__all__ = ["COALESCE_ENV", "PADDED_MAX_BYTES", "TorchOwnerComm", "TorchReplicateComm", "gather_form", "reduce_form"]
 
 GatherImpl = Literal["auto", "alltoall", "broadcast", "allgather"]
 ReduceImpl = Literal["auto", "alltoall", "rounds", "reduce", "allreduce", "scatter"]
@@ -29,6 +32,20 @@ ReduceImpl = Literal["auto", "alltoall", "rounds", "reduce", "allreduce", "scatt
 # while the padded group is at most ``PADDED_MAX_BYTES`` (the latency-bound regime: groups of
 # small matrices, where the buffer is small too); larger groups keep the buffer-free forms.
 PADDED_MAX_BYTES = 1 << 20
+
+# [Note: one launch per group]
+# On a backend that coalesces (NCCL), the per-matrix broadcasts of a gather and the per-segment
+# reduces of a reduction are issued inside one coalescing block (torch's
+# ``_coalescing_manager`` with the tensors' device), so a group's gather or reduction is one
+# ``ncclGroupStart``/``ncclGroupEnd``: one launch per group and direction, as FSDP2's one
+# all-gather and one reduce-scatter. Every op inside the block is issued ``async_op=True`` (the
+# last op decides whether the block returns a work) and the ops' own works are dropped: they
+# record no event while coalescing, so only the block's one work ("nccl:coalesced") is waited.
+# The exchange forms need nothing more: ``batch_isend_irecv`` coalesces on NCCL by itself.
+# gloo cannot coalesce (it refuses ``startCoalescing``); its one-call forms are the padded ones
+# of [Note: one call per group]. ``MATRIXFSDP_COALESCE=0`` (or ``coalesce=False``) issues the
+# ops one by one, for a backend whose coalescing misbehaves.
+COALESCE_ENV = "MATRIXFSDP_COALESCE"
 
 
 class TorchOwnerComm(OwnerComm):
@@ -64,6 +81,9 @@ class TorchOwnerComm(OwnerComm):
       of the owner's segment, where gloo's ``reduce`` (a ring reduce-scatter plus a gather per
       segment) and an in-place ``all_reduce`` (twice the bytes) both take longer. ``"auto"``
       picks the rounds only where gloo carries the tensors.
+
+    ``coalesce`` (default: on unless ``MATRIXFSDP_COALESCE=0``): on a backend that coalesces
+    (NCCL), a group's broadcasts or reduces launch as one (see [Note: one launch per group]).
     """
 
     def __init__(
@@ -74,6 +94,7 @@ class TorchOwnerComm(OwnerComm):
         reduce_impl: ReduceImpl = "auto",
         counter: CommCounter | None = None,
         dim: str = "shard",
+        coalesce: bool | None = None,
     ) -> None:
         if gather_impl not in ("auto", "alltoall", "broadcast", "allgather"):
             raise ValueError(
@@ -95,6 +116,10 @@ class TorchOwnerComm(OwnerComm):
         self.reduce_impl = reduce_impl
         self.counter = counter if counter is not None else CommCounter()
         self.dim = dim  # the mesh dim this group spans, for the counter
+        if coalesce is None:
+            coalesce = os.environ.get(COALESCE_ENV, "1").strip().lower() not in ("0", "false", "no")
+        self.coalesce = coalesce  # see [Note: one launch per group]
+        self._coalesces_on: dict[str, bool] = {}  # device type -> the backend coalesces
         self._global_ranks = [
             dist.get_global_rank(group, r) if group is not None else r
             for r in range(self.world_size)
@@ -165,17 +190,15 @@ class TorchOwnerComm(OwnerComm):
         return _issued(works, async_op, keepalive=[t for part in parts for t in part])
 
     def _gather_broadcast(self, parts: Sequence[Sequence[torch.Tensor]], async_op: bool) -> Pending:
-        works = []
-        with record_function("matrixfsdp::all_gather_v"):
-            for r, part in enumerate(parts):
-                for t in part:
-                    if t.numel() == 0:
-                        continue
-                    works.append(dist.broadcast(
-                        t, src=self._global_ranks[r], group=self.group, async_op=async_op))
-                    mine = r == self.rank
-                    self.counter.record("all_gather_v", _nbytes(t) * (self.world_size - 1) if mine
-                                        else 0, 0 if mine else _nbytes(t), dim=self.dim)
+        sends = [(r, t) for r, part in enumerate(parts) for t in part if t.numel()]
+        coalesce = bool(sends) and self._coalesces(sends[0][1])
+        with record_function("matrixfsdp::all_gather_v"), self._launch(sends, coalesce) as works:
+            for r, t in sends:
+                works.append(dist.broadcast(t, src=self._global_ranks[r], group=self.group,
+                                            async_op=async_op or coalesce))
+                mine = r == self.rank
+                self.counter.record("all_gather_v", _nbytes(t) * (self.world_size - 1) if mine
+                                    else 0, 0 if mine else _nbytes(t), dim=self.dim)
         return _issued(works, async_op, keepalive=[t for part in parts for t in part])
 
     # -- reduce-to-owners -------------------------------------------------------------------------
@@ -259,13 +282,12 @@ class TorchOwnerComm(OwnerComm):
     def _reduce_p2p(
         self, flat: torch.Tensor, segments: Sequence[torch.Tensor], async_op: bool
     ) -> Pending:
-        works = []
-        with record_function("matrixfsdp::reduce_to_owners"):
-            for r, segment in enumerate(segments):
-                if segment.numel() == 0:
-                    continue
-                works.append(dist.reduce(
-                    segment, dst=self._global_ranks[r], group=self.group, async_op=async_op))
+        owned = [(r, segment) for r, segment in enumerate(segments) if segment.numel()]
+        coalesce = bool(owned) and self._coalesces(flat)
+        with record_function("matrixfsdp::reduce_to_owners"), self._launch(owned, coalesce) as works:
+            for r, segment in owned:
+                works.append(dist.reduce(segment, dst=self._global_ranks[r], group=self.group,
+                                         async_op=async_op or coalesce))
                 received = _nbytes(segment) * (self.world_size - 1) if r == self.rank else 0
                 self.counter.record("reduce_to_owners", _nbytes(segment), received, dim=self.dim)
         return _issued(works, async_op, keepalive=(flat,))
@@ -288,6 +310,29 @@ class TorchOwnerComm(OwnerComm):
     def _on_gloo(self, t: torch.Tensor) -> bool:
         """Whether ``t``'s device is served by gloo in this group."""
         return self._backend_of(t) == "gloo"
+
+    # -- coalescing (see [Note: one launch per group]) -----------------------------------------
+    def _coalesces(self, like: torch.Tensor) -> bool:
+        """Whether this group's ops on ``like``'s device are issued as one coalesced launch."""
+        if not self.coalesce or self._on_gloo(like):
+            return False
+        kind = like.device.type
+        if kind not in self._coalesces_on:
+            self._coalesces_on[kind] = backend_coalesces(self.group, like.device)
+        return self._coalesces_on[kind]
+
+    @contextlib.contextmanager
+    def _launch(self, ops: Sequence[tuple[int, torch.Tensor]],
+                coalesce: bool) -> Iterator[list[object]]:
+        """Collect the works of the ops issued in the block; with ``coalesce`` the block is one
+        coalesced launch and, on exit, its one work replaces the ops' own."""
+        works: list[object] = []
+        if not coalesce:
+            yield works
+            return
+        with _coalescing_manager(self.group, ops[0][1].device, async_ops=True) as launch:
+            yield works
+        works[:] = launch.works
 
     # -- point-to-point ---------------------------------------------------------------------------
     def _exchange(self, sends: Sequence[tuple[int, torch.Tensor]],
@@ -328,6 +373,17 @@ class TorchReplicateComm(ReplicateComm):
         self.counter.record("all_reduce_replicas", _nbytes(tensor), _nbytes(tensor),
                             dim="replicate")
         return Pending([work] if async_op else [], keepalive=(tensor,))
+
+
+def backend_coalesces(group: dist.ProcessGroup | None, device: torch.device) -> bool:
+    """Whether ``group``'s backend for ``device`` coalesces ops into one launch (NCCL does;
+    gloo does not). See [Note: one launch per group]."""
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    try:
+        backend = pg._get_backend(device)
+    except (RuntimeError, AttributeError):  # no backend for this device type
+        return False
+    return bool(getattr(backend, "supports_coalescing", False))
 
 
 def gather_form(impl: str, numels: Sequence[int], world_size: int, *, gloo: bool,
