@@ -8,6 +8,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import matrixfsdp as mf
+from matrixfsdp.optim import get_matrix_optimizer
 
 from .dist_utils import test_device
 
@@ -121,3 +122,30 @@ def count_collectives(fn) -> int:
         fn()
     names = [e.name for e in prof.events()]
     return sum(1 for n in names if n.startswith(("gloo:", "nccl:")))
+
+
+class RegisteredStepReference:
+    """One process, whole matrices: the registered optimizer ``name``'s step on each matrix of
+    ``matrices`` (``MatrixOptimizer``'s math) and ``tail`` (a torch optimizer) on the rest."""
+
+    def __init__(self, matrices: dict[str, nn.Parameter], tail: torch.optim.Optimizer, *,
+                 name: str, lr: float, weight_decay: float, config: dict) -> None:
+        self.spec = get_matrix_optimizer(name)
+        self.hyper = {"lr": lr, "weight_decay": weight_decay, "initial_lr": lr,
+                      "config": self.spec.make_config(config)}
+        self.matrices = dict(sorted(matrices.items()))
+        self.state = {f: self.spec.init_state_fn(p.detach(), self.hyper["config"])
+                      for f, p in self.matrices.items()}
+        self.tail = tail
+        self.steps = 0
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """One step; every gradient is cleared after it."""
+        self.steps += 1
+        for fqn, p in self.matrices.items():
+            if p.grad is not None:  # a matrix unused in this step gets none
+                self.spec.step_fn(p, p.grad, self.state[fqn], step=self.steps, **self.hyper)
+            p.grad = None
+        self.tail.step()
+        self.tail.zero_grad(set_to_none=True)

@@ -37,10 +37,9 @@ import matrixfsdp as mf
 from matrixfsdp import checkpoint as ck
 from matrixfsdp.checkpoint.layout import TpEntry
 from matrixfsdp.checkpoint.storage import SafeFileSystemReader, read_metadata
-from matrixfsdp.optim import get_matrix_optimizer
 from matrixfsdp.optim.tp_step import tp_step_owners
 
-from .checks import assert_close_dicts, reference_values
+from .checks import RegisteredStepReference, assert_close_dicts, reference_values
 from .dist_utils import run_subtests, run_world
 from .models import TinyTransformer, global_batch, lm_loss, local_batch
 
@@ -131,34 +130,20 @@ class _Reference:
         torch.manual_seed(0)
         self.model = TinyTransformer(dim=16, hidden=40, layers=2)
         named = dict(self.model.named_parameters())
-        self.matrices = {f: p for f, p in named.items() if f in matrix_fqns and optimizer == "muon"}
-        self.spec = get_matrix_optimizer("muon")
-        self.hyper = {"lr": MUON["lr"], "weight_decay": MUON["weight_decay"],
-                      "initial_lr": MUON["lr"],
-                      "config": self.spec.make_config({"ns_dtype": "float32"})}
-        self.state = {f: self.spec.init_state_fn(p.detach(), self.hyper["config"])
-                      for f, p in self.matrices.items()}
-        rest = [p for f, p in named.items() if f not in self.matrices]
-        self.rest = (torch.optim.AdamW(rest, lr=MUON["tail_lr"],
-                                       weight_decay=MUON["tail_weight_decay"])
-                     if optimizer == "muon" else torch.optim.SGD(rest, **SGD))
-        self.steps = 0
+        matrices = {f: p for f, p in named.items() if f in matrix_fqns and optimizer == "muon"}
+        rest = [p for f, p in named.items() if f not in matrices]
+        tail = (torch.optim.AdamW(rest, lr=MUON["tail_lr"], weight_decay=MUON["tail_weight_decay"])
+                if optimizer == "muon" else torch.optim.SGD(rest, **SGD))
+        self.optimizer = RegisteredStepReference(
+            matrices, tail, name="muon", lr=MUON["lr"], weight_decay=MUON["weight_decay"],
+            config={"ns_dtype": "float32"})
 
     def train(self, steps: range, batches: int) -> None:
         for step in steps:
             tokens = global_batch(step)
             sum(lm_loss(self.model, local_batch(tokens, i, batches))
                 for i in range(batches)).div(batches).backward()
-            self._step()
-
-    @torch.no_grad()
-    def _step(self) -> None:
-        self.steps += 1
-        for fqn, p in self.matrices.items():
-            if p.grad is not None:  # the blocks' ``unused`` matrices get none
-                self.spec.step_fn(p, p.grad, self.state[fqn], step=self.steps, **self.hyper)
-        self.rest.step()
-        self.model.zero_grad(set_to_none=True)
+            self.optimizer.step()
 
 
 # -- checks ----------------------------------------------------------------------------------------

@@ -46,7 +46,13 @@ from matrixfsdp.optim.tp_step import (
 )
 from matrixfsdp.runtime.tp import tp_layout_of
 
-from .checks import FREE_RUNNING_KWARGS, assert_close_dicts, count_collectives, reference_values
+from .checks import (
+    FREE_RUNNING_KWARGS,
+    RegisteredStepReference,
+    assert_close_dicts,
+    count_collectives,
+    reference_values,
+)
 from .dist_utils import run_subtests, run_world
 from .models import TinyTransformer, global_batch, lm_loss, local_batch
 
@@ -283,32 +289,14 @@ def _e2e_model(ref: nn.Module, mesh: DeviceMesh) -> nn.Module:
     return mf.fully_shard_matrix(model, mesh["dp"])
 
 
-class _E2EReference:
-    """One process: the registered Muon on each whole matrix, torch's AdamW on the rest."""
-
-    def __init__(self, ref: nn.Module, matrix_fqns: set[str], name: str = "muon") -> None:
-        self.spec = get_matrix_optimizer(name)
-        self.hyper = {"lr": E2E["lr"], "weight_decay": E2E["weight_decay"],
-                      "initial_lr": E2E["lr"],
-                      "config": self.spec.make_config(FREE_RUNNING_KWARGS.get(name, {}))}
-        named = dict(ref.named_parameters())
-        self.matrices = {f: named[f] for f in sorted(matrix_fqns)}
-        self.state = {f: self.spec.init_state_fn(p.detach(), self.hyper["config"])
-                      for f, p in self.matrices.items()}
-        self.tail = torch.optim.AdamW([p for f, p in named.items() if f not in matrix_fqns],
-                                      lr=E2E["tail_lr"], weight_decay=E2E["tail_weight_decay"])
-        self.steps = 0
-
-    @torch.no_grad()
-    def step(self) -> None:
-        self.steps += 1
-        for fqn, p in self.matrices.items():
-            if p.grad is not None:  # the blocks' ``unused`` matrices get none
-                self.spec.step_fn(p, p.grad, self.state[fqn], step=self.steps, **self.hyper)
-        self.tail.step()
-        self.tail.zero_grad()
-        for p in self.matrices.values():
-            p.grad = None
+def _e2e_reference(ref: nn.Module, matrix_fqns: set[str], name: str) -> RegisteredStepReference:
+    """One process: the registered ``name`` on each whole matrix, torch's AdamW on the rest."""
+    named = dict(ref.named_parameters())
+    tail = torch.optim.AdamW([p for f, p in named.items() if f not in matrix_fqns],
+                             lr=E2E["tail_lr"], weight_decay=E2E["tail_weight_decay"])
+    return RegisteredStepReference({f: named[f] for f in matrix_fqns}, tail, name=name,
+                                   lr=E2E["lr"], weight_decay=E2E["weight_decay"],
+                                   config=FREE_RUNNING_KWARGS.get(name, {}))
 
 
 def _dp_rank(mesh: DeviceMesh) -> tuple[int, int]:
@@ -337,7 +325,7 @@ def _e2e_muon(mesh: DeviceMesh, offload: bool, name: str = "muon") -> None:
         f"layers.{i}.{m}.weight" for i in range(2) for m in ("up", "down")}
     opt = mf.MatrixOptimizer(model, name, **E2E, **FREE_RUNNING_KWARGS.get(name, {}),
                              offload_state="cpu" if offload else None, skip_nonfinite=offload)
-    reference = _E2EReference(ref, set(runtime.params), name)
+    reference = _e2e_reference(ref, set(runtime.params), name)
     (me, batches), row_has_tp = _dp_rank(mesh), any(
         mp.tp is not None and mp.is_owner for mp in runtime.params.values())
     for step in range(3):
@@ -365,7 +353,7 @@ def _e2e_muon(mesh: DeviceMesh, offload: bool, name: str = "muon") -> None:
 
 
 def _teacher_force(model: nn.Module, opt: mf.MatrixOptimizer, ref: nn.Module,
-                   reference: _E2EReference) -> None:
+                   reference: RegisteredStepReference) -> None:
     """SOAP: the reference continues from the library's parameters and matrix state.
 
     SOAP's step-1 eigenbasis of a rank-deficient factor (``L = G G^T`` of a non-square ``G``)
