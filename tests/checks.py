@@ -34,8 +34,8 @@ def full_values(model: nn.Module, attr: str = "data") -> dict[str, torch.Tensor 
     host (CPU) copies whatever the test device.
 
     Collective: all ranks must call it. Matrices are broadcast from their owner inside the shard
-    group (under HSDP: this rank's replica's values); a matrix whose owner has no gradient maps
-    to None.
+    group (under HSDP: this rank's replica's values; a TP matrix's shards are then assembled over
+    its tp group); a matrix whose owner has no gradient maps to None.
     """
     state = mf.get_state(model)
     group = state.comm.group
@@ -54,6 +54,8 @@ def full_values(model: nn.Module, attr: str = "data") -> dict[str, torch.Tensor 
             buf = (value.detach().clone() if mp.is_owner
                    else torch.empty(mp.shape, dtype=mp.dtype, device=device))
             dist.broadcast(buf, src=src, group=group)
+            if mp.tp is not None:  # this tp rank's shard: the tp ranks assemble the whole
+                buf = mp.tp.as_dtensor(buf).full_tensor()
             out[fqn] = _host(buf)
         elif isinstance(value, DTensor):
             out[fqn] = _host(value.full_tensor())  # a 1-rank full_tensor() aliases the shard
@@ -107,6 +109,10 @@ def full_optimizer_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[s
             box = [{k: _host(v) for k, v in entry.items()} if mp.is_owner else None]
             dist.broadcast_object_list(box, src=dist.get_global_rank(group, mp.owner_rank),
                                        group=group)
+            if mp.tp is not None:  # the whole state lives on the matrix's step owner alone
+                rows: list = [None] * mp.tp.tp_size
+                dist.all_gather_object(rows, box[0], group=mp.tp.group)
+                box[0] = next((entry for entry in rows if entry), {})
             out[fqn] = box[0]
         else:
             out[fqn] = {k: _host(v.full_tensor() if isinstance(v, DTensor) else v)

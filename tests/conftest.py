@@ -19,8 +19,18 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError(f"{TEST_DEVICE_ENV}=cuda but torch.cuda.is_available() is False")
 
 
+# A differential sweep (tests/test_differential.py) is bounded by its worlds' own timeout, which
+# grows with the seeds a world runs; pytest-timeout's fixed one would cut it short.
+SWEEP_ENV = ("MATRIXFSDP_DIFF_SEEDS", "MATRIXFSDP_DIFF_TP_SEEDS", "MATRIXFSDP_DIFF_SEED")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked ``gpu`` (the CUDA cases of ``dist_utils.DEVICES``) skip without CUDA."""
+    """Tests marked ``gpu`` (the CUDA cases of ``dist_utils.DEVICES``) skip without CUDA; a
+    differential sweep runs without pytest-timeout's limit."""
+    if any(os.environ.get(name, "").strip() for name in SWEEP_ENV):
+        for item in items:
+            if item.name.startswith("test_differential["):
+                item.add_marker(pytest.mark.timeout(0))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

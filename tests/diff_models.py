@@ -30,6 +30,11 @@ a data-parallel run can reproduce exactly, so that a failure is the wrapped mode
   untied head) are selected with a ``matrix_filter``; the default rule leaves the root in the tail.
 - Freezing acts on the parameters ``model.named_parameters()`` yields (the wrapped model's on
   every rank, placeholders included) and on the reference's, at the same point of training.
+- Seeds from ``TP_SEED_BASE`` on draw tensor-parallel configs: ``mesh="tp"``, world 4 as dp 2 x
+  tp 2, the MLPs of the blocks in ``tp_blocks`` parallelized (``up`` Colwise, ``down`` Rowwise)
+  before wrapping. The tp ranks of a dp row are one data rank: they see the same tokens and
+  take the same branches (``data_rank``), so the reference replays 2 ranks. The other fields
+  are drawn as for any seed.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ __all__ = [
     "CHECKPOINTS",
     "FORWARDS",
     "OPTIMIZERS",
+    "TP_SEED_BASE",
     "VOCAB",
     "DiffConfig",
     "DiffModel",
@@ -58,6 +64,7 @@ __all__ = [
     "features",
     "micro_loss",
     "takes_branch",
+    "tp_feature_universe",
 ]
 
 VOCAB = 19
@@ -68,6 +75,8 @@ CHECKPOINTS = ("none", "block", "block_reentrant", "whole", "whole_reentrant")
 BETWEEN = ("none", "no_grad", "inference_mode", "eval", "eval_no_grad")
 OPTIMIZERS = ("sgd", "adamw", "muon", "shampoo", "soap", "okls", "emagram")
 FREEZE_AT = ("before_wrap", "after_wrap", "after_step0")
+TP_SEED_BASE = 1_000_000  # seeds from here draw tensor-parallel configs (see the Note)
+TP_SIZE = 2
 
 
 @dataclass(frozen=True)
@@ -108,6 +117,16 @@ class DiffConfig:
     stacks: str  # LPTPlanner(stacks=...): "auto" | "whole" | "slices" (expert stacks only)
     per_rank: int  # sequences per rank per forward
     seq: int  # tokens per sequence
+    tp_blocks: tuple[int, ...] = ()  # mesh "tp": the blocks whose MLP is tensor-parallel
+
+    @property
+    def data_world(self) -> int:
+        """Data-parallel ranks: the tp ranks of a dp row share one (see the Note)."""
+        return self.world // TP_SIZE if self.mesh == "tp" else self.world
+
+    def data_rank(self, rank: int) -> int:
+        """The data rank of global ``rank`` (dp-major layout: ``rank = dp * tp_size + tp``)."""
+        return rank // TP_SIZE if self.mesh == "tp" else rank
 
     @property
     def block_checkpoint(self) -> str:
@@ -133,6 +152,8 @@ class DiffConfig:
             f"{self.optimizer}, mixed_precision={self.mixed_precision}, collectives "
             f"{self.collectives}, reshard_after_forward={self.reshard_after_forward}, stacks "
             f"{self.stacks}, batch {self.per_rank}x{self.seq} per rank"
+            + (f"; tensor-parallel MLPs in blocks {list(self.tp_blocks)}" if self.mesh == "tp"
+               else "")
         )
 
 
@@ -255,9 +276,9 @@ def root_matrix_filter(fqn: str, param: nn.Parameter) -> bool:
 
 # -- usage -----------------------------------------------------------------------------------------
 def call_tokens(cfg: DiffConfig, rank: int, step: int, micro: int, call: int) -> torch.Tensor:
-    """Rank ``rank``'s slice of the global batch of forward ``call`` of micro-batch ``micro``."""
+    """Data rank ``rank``'s slice of the global batch of forward ``call`` of micro-batch ``micro``."""
     gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * 10_007 + micro * 101 + call)
-    tokens = torch.randint(0, VOCAB, (cfg.world * cfg.per_rank, cfg.seq), generator=gen)
+    tokens = torch.randint(0, VOCAB, (cfg.data_world * cfg.per_rank, cfg.seq), generator=gen)
     return tokens[rank * cfg.per_rank : (rank + 1) * cfg.per_rank]
 
 
@@ -354,11 +375,13 @@ def _mostly(rng: random.Random, choices: tuple[str, ...]) -> str:
 def draw_config(seed: int) -> DiffConfig:
     """The configuration of ``seed``: only valid combinations (see the Note)."""
     rng = random.Random(seed)
-    world = rng.randint(1, 4)
+    tp = seed >= TP_SEED_BASE
+    drawn_world = rng.randint(1, 4)  # drawn for TP seeds too: the later draws stay the same
+    world = 2 * TP_SIZE if tp else drawn_world
     shape = _draw_shape(rng)
     freeze, freeze_at, unfreeze = _draw_freeze(rng, shape)
-    mesh = "hsdp" if world == 4 and rng.random() < 0.5 else "flat"
-    shard = 2 if mesh == "hsdp" else world
+    mesh = "tp" if tp else "hsdp" if world == 4 and rng.random() < 0.5 else "flat"
+    shard = {"hsdp": 2, "tp": world // TP_SIZE}.get(mesh, world)
     cfg = DiffConfig(
         seed=seed, world=world, mesh=mesh, shape=shape,
         forwards=_mostly(rng, FORWARDS), checkpoint=_mostly(rng, CHECKPOINTS),
@@ -372,8 +395,18 @@ def draw_config(seed: int) -> DiffConfig:
         stacks=rng.choice(("auto", "whole", "slices") if "moe" in shape.kinds and shard > 1
                           else ("auto", "whole")),
         per_rank=rng.choice((1, 2)), seq=rng.choice((5, 7)),
+        tp_blocks=_draw_tp_blocks(seed, shape) if tp else (),
     )
     return cfg
+
+
+def _draw_tp_blocks(seed: int, shape: ModelShape) -> tuple[int, ...]:
+    """The blocks (with an MLP) whose MLP is tensor-parallel: each with probability 0.7, at
+    least one. Drawn apart from the seed's other draws."""
+    rng = random.Random(f"tp:{seed}")
+    candidates = [i for i, kind in enumerate(shape.kinds) if kind != "moe"]
+    chosen = tuple(i for i in candidates if rng.random() < 0.7)
+    return chosen or tuple(candidates[:1])
 
 
 def features(cfg: DiffConfig) -> set[str]:
@@ -425,3 +458,15 @@ def feature_universe() -> set[str]:
         "hsdp+optimizer_kind=matrix", "hsdp+forwards=single", "hsdp+forwards=multi",
     }
     return base | {f"{f}@ranks" for f in base if f.split("=")[0] in _USAGE}
+
+
+def tp_feature_universe() -> set[str]:
+    """What the tensor-parallel CI seeds must cover: every optimizer, forward pattern and
+    checkpointing mode, and the usage that interacts with a TP matrix's gradient."""
+    return {
+        *(f"optimizer={o}" for o in OPTIMIZERS), *(f"forwards={f}" for f in FORWARDS),
+        *(f"checkpoint={c}" for c in CHECKPOINTS), "mixed_precision=True", "accum=2",
+        "freeze=block", "freeze=matrix", "retain_twice=True", "reshard_after_forward=False",
+        "repeat_block=True", "branch_block=True", "between=eval", "between=no_grad",
+        "collectives=alltoall", "collectives=p2p",
+    }
