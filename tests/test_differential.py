@@ -17,9 +17,11 @@ frozen matrix, so stock FSDP2 trains the rest: a failure that goes away with it,
 on those two, is the matrix runtime's.
 
 [Note: differential reference]
-- Configs of one world size run one after another in ONE spawned world. Each config gets its
-  own process groups (mesh) with a short timeout, so a rank that raises while its peers wait in
-  a collective costs a timeout, not a hang; whether the config passed is then agreed by an
+- Configs of one world size run one after another in one spawned world (up to
+  ``SEEDS_PER_WORLD`` of them, then a fresh world: gloo keeps a destroyed group's threads until
+  the process ends). Each config gets its own process groups (mesh) with a short timeout, so a
+  rank that raises while its peers wait in a collective costs a timeout, not a hang; whether the
+  config passed is then agreed by an
   ``all_gather_object`` on the default group, which every rank reaches. Rank 0 alone runs the
   reference and appends one JSON line per config to a results file the test reads.
 - Data parallelism means: each rank's gradient is the gradient of its own loss; the runtime
