@@ -21,9 +21,9 @@ on those two, is the matrix runtime's.
   ``SEEDS_PER_WORLD`` of them, then a fresh world: gloo keeps a destroyed group's threads until
   the process ends). Each config gets its own process groups (mesh) with a short timeout, so a
   rank that raises while its peers wait in a collective costs a timeout, not a hang; whether the
-  config passed is then agreed by an
-  ``all_gather_object`` on the default group, which every rank reaches. Rank 0 alone runs the
-  reference and appends one JSON line per config to a results file the test reads.
+  config passed is then agreed by an ``all_gather_object`` on the default group, which every
+  rank reaches. Rank 0 alone runs the reference and appends one JSON line per config to a
+  results file the test reads.
 - Data parallelism means: each rank's gradient is the gradient of its own loss; the runtime
   averages them. The reference replays every rank's computation on its own copy of the model
   (in bf16 under mixed precision) with that rank's tokens and branch choices, and averages
