@@ -47,7 +47,7 @@ import matrixfsdp as mf
 from .checks import assert_close_dicts, reference_values
 from .dist_utils import device_type, run_subtests, run_world, test_device
 from .models import TinyTransformer, global_batch, lm_loss, local_batch
-from .test_tp_step import E2E, _E2EReference
+from .test_tp_step import E2E, _e2e_reference
 
 FULL = StateDictOptions(full_state_dict=True)
 MLP_PLAN = {"up": ColwiseParallel(), "down": RowwiseParallel()}
@@ -200,7 +200,7 @@ def _hf_llama(rank: int, world: int) -> None:
     # Muon on every matrix (whole on its step owner), AdamW on the tail; the reference steps
     # each whole matrix with the same registered Muon in one process.
     opt = mf.MatrixOptimizer(model, "muon", **E2E, ns_dtype="float32")
-    reference = _E2EReference(ref, set(mf.get_state(model).params), "muon")
+    reference = _e2e_reference(ref, set(mf.get_state(model).params), "muon")
     for step in range(3):
         tokens = torch.randint(0, 50, (4, 9), generator=torch.Generator().manual_seed(step))
         tokens = tokens.to(test_device())
