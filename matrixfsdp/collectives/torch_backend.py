@@ -192,7 +192,8 @@ class TorchOwnerComm(OwnerComm):
     def _gather_broadcast(self, parts: Sequence[Sequence[torch.Tensor]], async_op: bool) -> Pending:
         sends = [(r, t) for r, part in enumerate(parts) for t in part if t.numel()]
         coalesce = bool(sends) and self._coalesces(sends[0][1])
-        with record_function("matrixfsdp::all_gather_v"), self._launch(sends, coalesce) as works:
+        device = sends[0][1].device if coalesce else None
+        with record_function("matrixfsdp::all_gather_v"), self._launch(device) as works:
             for r, t in sends:
                 works.append(dist.broadcast(t, src=self._global_ranks[r], group=self.group,
                                             async_op=async_op or coalesce))
@@ -284,7 +285,8 @@ class TorchOwnerComm(OwnerComm):
     ) -> Pending:
         owned = [(r, segment) for r, segment in enumerate(segments) if segment.numel()]
         coalesce = bool(owned) and self._coalesces(flat)
-        with record_function("matrixfsdp::reduce_to_owners"), self._launch(owned, coalesce) as works:
+        with record_function("matrixfsdp::reduce_to_owners"), \
+                self._launch(flat.device if coalesce else None) as works:
             for r, segment in owned:
                 works.append(dist.reduce(segment, dst=self._global_ranks[r], group=self.group,
                                          async_op=async_op or coalesce))
@@ -322,15 +324,14 @@ class TorchOwnerComm(OwnerComm):
         return self._coalesces_on[kind]
 
     @contextlib.contextmanager
-    def _launch(self, ops: Sequence[tuple[int, torch.Tensor]],
-                coalesce: bool) -> Iterator[list[object]]:
-        """Collect the works of the ops issued in the block; with ``coalesce`` the block is one
-        coalesced launch and, on exit, its one work replaces the ops' own."""
+    def _launch(self, coalesce_on: torch.device | None) -> Iterator[list[object]]:
+        """Collect the works of the ops issued in the block; with ``coalesce_on`` (a device) the
+        block is one coalesced launch there and, on exit, its one work replaces the ops' own."""
         works: list[object] = []
-        if not coalesce:
+        if coalesce_on is None:
             yield works
             return
-        with _coalescing_manager(self.group, ops[0][1].device, async_ops=True) as launch:
+        with _coalescing_manager(self.group, coalesce_on, async_ops=True) as launch:
             yield works
         works[:] = launch.works
 
