@@ -138,15 +138,7 @@ def fully_shard_matrix(
     Returns the same module, changed in place.
     """
     _check_not_wrapped(model)
-    if collectives not in ("auto", "alltoall", "p2p", "nvshmem"):
-        raise ValueError(
-            f"collectives must be 'auto', 'alltoall', 'p2p' or 'nvshmem', got {collectives!r}"
-        )
-    if tail_units not in ("auto", "groups", "root"):
-        raise ValueError(f"tail_units must be 'auto', 'groups' or 'root', got {tail_units!r}")
-    if not isinstance(replicate_presence_flags, bool):
-        raise ValueError(f"replicate_presence_flags must be True or False, got "
-                         f"{replicate_presence_flags!r}")
+    _check_options(collectives, tail_units, replicate_presence_flags)
     dp = resolve_mesh(_default_mesh(model) if mesh is None else mesh)
     group_modules = _resolve_groups(model, groups)
     device_type = "meta" if _all_meta(model) else dp.mesh.device_type
@@ -157,14 +149,7 @@ def fully_shard_matrix(
         logger.warning("matrixfsdp: %s: %s", fqn, note)
     if selection_notes:
         plan = plan.model_copy(update={"notes": {**selection_notes, **plan.notes}})
-    torch_impl = "auto" if collectives == "nvshmem" else collectives
-    comm: OwnerComm = TorchOwnerComm(
-        dp.shard_group,
-        gather_impl="broadcast" if torch_impl == "p2p" else torch_impl,
-        reduce_impl="reduce" if torch_impl == "p2p" else torch_impl,
-    )
-    replicate = (TorchReplicateComm(dp.replicate_group, counter=comm.counter)
-                 if dp.replicate_group is not None and dp.replicate_size > 1 else None)
+    comm, replicate = _torch_comms(dp, collectives)
     _check_plan_agrees(plan, dp)
     tp_mesh = model_tp_mesh(model, dp.mesh)
     tp_layouts = {s.fqn: tp_layout_of(s.fqn, s.param, dp.mesh) for s in sites if s.is_matrix}
@@ -189,6 +174,33 @@ def fully_shard_matrix(
     model.__dict__[_STATE_ATTR] = state
     _log_summary(plan, len(matrix_groups))
     return model
+
+
+def _check_options(collectives: str, tail_units: str, replicate_presence_flags: object) -> None:
+    """Raise ``ValueError`` naming the keyword of ``fully_shard_matrix`` that got a bad value."""
+    if collectives not in ("auto", "alltoall", "p2p", "nvshmem"):
+        raise ValueError(
+            f"collectives must be 'auto', 'alltoall', 'p2p' or 'nvshmem', got {collectives!r}"
+        )
+    if tail_units not in ("auto", "groups", "root"):
+        raise ValueError(f"tail_units must be 'auto', 'groups' or 'root', got {tail_units!r}")
+    if not isinstance(replicate_presence_flags, bool):
+        raise ValueError(f"replicate_presence_flags must be True or False, got "
+                         f"{replicate_presence_flags!r}")
+
+
+def _torch_comms(dp: DataParallelMesh, collectives: str) -> tuple[OwnerComm, ReplicateComm | None]:
+    """The torch.distributed owner comm for ``collectives`` (``"nvshmem"`` starts from
+    ``"auto"``, its fallback) and, under HSDP with replicas, the replicate all-reduce comm."""
+    torch_impl = "auto" if collectives == "nvshmem" else collectives
+    comm = TorchOwnerComm(
+        dp.shard_group,
+        gather_impl="broadcast" if torch_impl == "p2p" else torch_impl,
+        reduce_impl="reduce" if torch_impl == "p2p" else torch_impl,
+    )
+    replicate = (TorchReplicateComm(dp.replicate_group, counter=comm.counter)
+                 if dp.replicate_group is not None and dp.replicate_size > 1 else None)
+    return comm, replicate
 
 
 def _log_summary(plan: Plan, num_groups: int) -> None:

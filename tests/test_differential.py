@@ -101,9 +101,14 @@ TP_MP_RTOL = 5e-2
 # library's fp32 step against the float64 formulas of tests/references.py; measured maxima over
 # 90 seeds: Muon (fp32 Newton-Schulz) 1.2e-5, Shampoo 1.9e-5, EMA-Gram 1.9e-5, SOAP 4.2e-5,
 # OKLS 6.6e-5 (fp32 roots of the rank-deficient factors of small and non-square matrices, e.g.
-# (4, d) routers); a wrong step is off by O(1).
+# (4, d) routers); a wrong step is off by O(1). SOAP on a softmax router: its gradient's columns
+# sum to zero, so the left factor has the all-ones null vector and the rotated gradient along it is
+# rounding noise, 0 in float64 but ~6e-8 |G| in fp32, which Adam's ratio divides by eps (1e-5
+# here): the update errs by ~3e-4 of the gradient's scale (measured 3.3e-4 median, 7.3e-4 max
+# over 200 zero-sum (4, 12) gradients with unit entries; seed 1005 of an 800-seed sweep: 2.2e-4). The
+# direction it moves in shifts every logit alike, which softmax ignores.
 UPDATE_RTOL = {"sgd": 1e-6, "adamw": 1e-6, "muon": 1e-4, "shampoo": 1e-4, "emagram": 1e-4,
-               "soap": 2e-4, "okls": 3e-4}
+               "soap": 1e-3, "okls": 3e-4}
 SGD = {"lr": 0.05, "momentum": 0.9, "weight_decay": 0.01}
 ADAMW = {"lr": 1e-2, "weight_decay": 0.1}
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

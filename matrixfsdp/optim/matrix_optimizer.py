@@ -22,7 +22,7 @@ import dataclasses
 import logging
 import math
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -39,9 +39,29 @@ from .owner_step import OwnedMatrix, batch_owned, init_owned_state, local, owned
 from .registry import MatrixOptimizerSpec, get_matrix_optimizer
 from .tp_step import TpMatrix, WholeStepper, step_tp_matrices, tp_step_owners
 
+if TYPE_CHECKING:
+    from ..runtime import MatrixFSDPState
+
 __all__ = ["MatrixOptimizer", "state_bytes"]
 
 logger = logging.getLogger(__name__)
+
+
+def _check_rates(**rates: float) -> None:
+    """Raise ``ValueError`` naming the first learning rate or decay that is not a finite ``>= 0``."""
+    for field, value in rates.items():
+        if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise ValueError(f"MatrixOptimizer.{field} must be a finite number >= 0, got {value!r}")
+
+
+def _matrix_params(model: nn.Module, runtime: MatrixFSDPState) -> tuple[list[nn.Parameter], list[str]]:
+    """The parameters the matrix optimizer steps and their FQNs: every planned matrix (its
+    sharded parameter, empty on non-owners), then the sharded expert stacks."""
+    named = dict(model.named_parameters())
+    matrices = [mp.sharded for mp in runtime.params.values()]
+    matrices += [named[p.fqn] for p in runtime.plan.sharded_stacks]
+    fqns = [*runtime.params, *(p.fqn for p in runtime.plan.sharded_stacks)]
+    return matrices, fqns
 
 
 class MatrixOptimizer(torch.optim.Optimizer):
@@ -115,16 +135,11 @@ class MatrixOptimizer(torch.optim.Optimizer):
         skip_nonfinite: bool = False,
         **optimizer_kwargs: Any,
     ) -> None:
-        for field, value in (("lr", lr), ("weight_decay", weight_decay), ("tail_lr", tail_lr),
-                             ("tail_weight_decay", tail_weight_decay)):
-            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-                raise ValueError(f"MatrixOptimizer.{field} must be a finite number >= 0, got {value!r}")
+        _check_rates(lr=lr, weight_decay=weight_decay, tail_lr=tail_lr,
+                     tail_weight_decay=tail_weight_decay)
         runtime = get_state(model)
         self._runtime = runtime
-        named = dict(model.named_parameters())
-        matrices = [mp.sharded for mp in runtime.params.values()]
-        matrices += [named[p.fqn] for p in runtime.plan.sharded_stacks]
-        fqns = [*runtime.params, *(p.fqn for p in runtime.plan.sharded_stacks)]
+        matrices, fqns = _matrix_params(model, runtime)
         orientation = {p.fqn: p.orientation for p in runtime.plan.params}
         self._orientation = {id(p): orientation[f] for p, f in zip(matrices, fqns, strict=True)}
         self._fqn_of = {id(p): f for p, f in zip(matrices, fqns, strict=True)}
