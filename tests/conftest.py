@@ -21,7 +21,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 # A differential sweep (tests/test_differential.py) is bounded by its worlds' own timeout, which
 # grows with the seeds a world runs; pytest-timeout's fixed one would cut it short.
-SWEEP_ENV = ("MATRIXFSDP_DIFF_SEEDS", "MATRIXFSDP_DIFF_TP_SEEDS", "MATRIXFSDP_DIFF_SEED")
+SWEEP_ENV = ("MATRIXFSDP_DIFF_SEEDS", "MATRIXFSDP_DIFF_TP_SEEDS", "MATRIXFSDP_DIFF_HSDP_TP_SEEDS",
+             "MATRIXFSDP_DIFF_SEED")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

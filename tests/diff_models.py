@@ -35,6 +35,10 @@ a data-parallel run can reproduce exactly, so that a failure is the wrapped mode
   before wrapping. The tp ranks of a dp row are one data rank: they see the same tokens and
   take the same branches (``data_rank``), so the reference replays 2 ranks. The other fields
   are drawn as for any seed.
+- Seeds from ``HSDP_TP_SEED_BASE`` on compose HSDP with tensor parallelism: ``mesh="hsdp_tp"``,
+  world 4 as replicate x shard x tp with ``replicas`` 2 (2x1x2: each replica one owner, the
+  owners' TP shards averaged across replicas) or 1 (1x2x2: owners over 2 dp ranks). Data ranks
+  are as for ``mesh="tp"``.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ from torch.utils.checkpoint import checkpoint
 __all__ = [
     "CHECKPOINTS",
     "FORWARDS",
+    "HSDP_TP_SEED_BASE",
     "OPTIMIZERS",
     "TP_SEED_BASE",
     "VOCAB",
@@ -62,6 +67,7 @@ __all__ = [
     "draw_config",
     "feature_universe",
     "features",
+    "hsdp_tp_feature_universe",
     "micro_loss",
     "takes_branch",
     "tp_feature_universe",
@@ -76,6 +82,7 @@ BETWEEN = ("none", "no_grad", "inference_mode", "eval", "eval_no_grad")
 OPTIMIZERS = ("sgd", "adamw", "muon", "shampoo", "soap", "okls", "emagram")
 FREEZE_AT = ("before_wrap", "after_wrap", "after_step0")
 TP_SEED_BASE = 1_000_000  # seeds from here draw tensor-parallel configs (see the Note)
+HSDP_TP_SEED_BASE = 2_000_000  # ... and from here HSDP x tensor-parallel configs
 TP_SIZE = 2
 
 
@@ -99,7 +106,7 @@ class DiffConfig:
 
     seed: int
     world: int
-    mesh: str  # "flat" | "hsdp" (2x2, world 4)
+    mesh: str  # "flat" | "hsdp" (2x2) | "tp" (dp2 x tp2) | "hsdp_tp" (replicas x 2//replicas x 2)
     shape: ModelShape
     forwards: str  # FORWARDS
     checkpoint: str  # CHECKPOINTS: per block or around the whole model, reentrant or not
@@ -117,16 +124,28 @@ class DiffConfig:
     stacks: str  # LPTPlanner(stacks=...): "auto" | "whole" | "slices" (expert stacks only)
     per_rank: int  # sequences per rank per forward
     seq: int  # tokens per sequence
-    tp_blocks: tuple[int, ...] = ()  # mesh "tp": the blocks whose MLP is tensor-parallel
+    tp_blocks: tuple[int, ...] = ()  # TP meshes: the blocks whose MLP is tensor-parallel
+    replicas: int = 1  # mesh "hsdp_tp": the replicate dim's size (shard dim: 2 // replicas)
+
+    @property
+    def is_tp(self) -> bool:
+        """Whether the blocks in ``tp_blocks`` are tensor-parallel (meshes "tp" and "hsdp_tp")."""
+        return self.mesh in ("tp", "hsdp_tp")
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        """The device mesh's shape; dims (replicate, shard, tp), (dp, tp) or (dp,)."""
+        return {"flat": (self.world,), "hsdp": (2, 2), "tp": (self.world // TP_SIZE, TP_SIZE),
+                "hsdp_tp": (self.replicas, 2 // self.replicas, TP_SIZE)}[self.mesh]
 
     @property
     def data_world(self) -> int:
         """Data-parallel ranks: the tp ranks of a dp row share one (see the Note)."""
-        return self.world // TP_SIZE if self.mesh == "tp" else self.world
+        return self.world // TP_SIZE if self.is_tp else self.world
 
     def data_rank(self, rank: int) -> int:
         """The data rank of global ``rank`` (dp-major layout: ``rank = dp * tp_size + tp``)."""
-        return rank // TP_SIZE if self.mesh == "tp" else rank
+        return rank // TP_SIZE if self.is_tp else rank
 
     @property
     def block_checkpoint(self) -> str:
@@ -144,7 +163,7 @@ class DiffConfig:
                   f"{' then unfreeze' if self.unfreeze_after_step0 else ''}"
                   if self.freeze else "no freeze")
         return (
-            f"world {self.world} {self.mesh}, blocks {list(s.kinds)} dim {s.dim} hidden {s.hidden}"
+            f"world {self.world} {self.mesh} {'x'.join(map(str, self.mesh_shape))}, blocks {list(s.kinds)} dim {s.dim} hidden {s.hidden}"
             f" tie={s.tie} root_matrices={s.root_matrices} repeat={s.repeat_block} unused="
             f"{s.unused_block} branch={s.branch_block}; forwards {self.forwards}, checkpoint "
             f"{self.checkpoint}, accum {self.accum}, retain_twice={self.retain_twice}, between "
@@ -152,8 +171,7 @@ class DiffConfig:
             f"{self.optimizer}, mixed_precision={self.mixed_precision}, collectives "
             f"{self.collectives}, reshard_after_forward={self.reshard_after_forward}, stacks "
             f"{self.stacks}, batch {self.per_rank}x{self.seq} per rank"
-            + (f"; tensor-parallel MLPs in blocks {list(self.tp_blocks)}" if self.mesh == "tp"
-               else "")
+            + (f"; tensor-parallel MLPs in blocks {list(self.tp_blocks)}" if self.is_tp else "")
         )
 
 
@@ -381,7 +399,10 @@ def draw_config(seed: int) -> DiffConfig:
     shape = _draw_shape(rng)
     freeze, freeze_at, unfreeze = _draw_freeze(rng, shape)
     mesh = "tp" if tp else "hsdp" if world == 4 and rng.random() < 0.5 else "flat"
-    shard = {"hsdp": 2, "tp": world // TP_SIZE}.get(mesh, world)
+    replicas = 1
+    if seed >= HSDP_TP_SEED_BASE:  # drawn apart: the seed's other draws stay as for "tp"
+        mesh, replicas = "hsdp_tp", random.Random(f"hsdp_tp:{seed}").choice((1, 2))
+    shard = {"hsdp": 2, "tp": world // TP_SIZE, "hsdp_tp": 2 // replicas}.get(mesh, world)
     cfg = DiffConfig(
         seed=seed, world=world, mesh=mesh, shape=shape,
         forwards=_mostly(rng, FORWARDS), checkpoint=_mostly(rng, CHECKPOINTS),
@@ -395,7 +416,7 @@ def draw_config(seed: int) -> DiffConfig:
         stacks=rng.choice(("auto", "whole", "slices") if "moe" in shape.kinds and shard > 1
                           else ("auto", "whole")),
         per_rank=rng.choice((1, 2)), seq=rng.choice((5, 7)),
-        tp_blocks=_draw_tp_blocks(seed, shape) if tp else (),
+        tp_blocks=_draw_tp_blocks(seed, shape) if tp else (), replicas=replicas,
     )
     return cfg
 
@@ -427,7 +448,11 @@ def features(cfg: DiffConfig) -> set[str]:
         kind = "block" if len(cfg.freeze) > 1 else "matrix"
         out |= {f"freeze={kind}", f"freeze_at={cfg.freeze_at}",
                 f"unfreeze={cfg.unfreeze_after_step0}"}
-    if cfg.mesh == "hsdp":
+    if cfg.mesh == "hsdp_tp":
+        shape = "x".join(map(str, cfg.mesh_shape))
+        kind = "sgd" if cfg.optimizer in ("sgd", "adamw") else "matrix"
+        out |= {f"hsdp_tp={shape}", f"hsdp_tp={shape}+optimizer_kind={kind}"}
+    if cfg.mesh in ("hsdp", "hsdp_tp"):
         out |= {f"hsdp+optimizer_kind={'sgd' if cfg.optimizer in ('sgd', 'adamw') else 'matrix'}",
                 f"hsdp+forwards={'single' if cfg.forwards == 'single' else 'multi'}"}
     if cfg.world > 1:  # every usage pattern also across ranks
@@ -469,4 +494,15 @@ def tp_feature_universe() -> set[str]:
         "freeze=block", "freeze=matrix", "retain_twice=True", "reshard_after_forward=False",
         "repeat_block=True", "branch_block=True", "between=eval", "between=no_grad",
         "collectives=alltoall", "collectives=p2p",
+    }
+
+
+def hsdp_tp_feature_universe() -> set[str]:
+    """What the HSDP x TP CI seeds must cover: both mesh shapes with torch's and with a matrix
+    optimizer, one and several forwards, accumulation (the replicate all-reduce waits for the last
+    micro-batch), freezing and reentrant checkpointing."""
+    return {
+        *(f"hsdp_tp={shape}+optimizer_kind={kind}" for shape in ("1x2x2", "2x1x2")
+          for kind in ("sgd", "matrix")), "hsdp+forwards=single", "hsdp+forwards=multi", "accum=2", "freeze=matrix",
+        "checkpoint=block_reentrant", "mixed_precision=True",
     }

@@ -1,7 +1,7 @@
 """Differential harness: seeded random configurations against a single-process reference.
 
 Each seed draws a :class:`~tests.diff_models.DiffConfig` (model shape, usage pattern, world size
-1-4, flat or 2x2 HSDP mesh, optimizer, mixed precision; see [Note: differential configurations]
+1-4, flat, 2x2 HSDP, dp x tp or HSDP x tp mesh, optimizer, mixed precision; see [Note: differential configurations]
 in ``tests/diff_models.py``), wraps a seeded model with ``fully_shard_matrix``, trains it for 2
 optimizer steps with the pattern on each rank's slice of the global batch, and compares it with
 one process replaying the same pattern (see [Note: differential reference]).
@@ -10,8 +10,10 @@ Run: ``python -m pytest -q tests/test_differential.py`` runs the fixed CI seed s
 every pattern, mesh and optimizer at least once); ``MATRIXFSDP_DIFF_SEEDS=200`` adds seeds
 0..199 (``=a:b`` adds ``range(a, b)``); ``MATRIXFSDP_DIFF_TP_SEEDS=100`` adds as many
 tensor-parallel seeds (``TP_SEED_BASE`` + 0..99, world 4 as dp 2 x tp 2; ``TP_CI_SEEDS`` are in
-the fixed set); ``MATRIXFSDP_DIFF_SEED=17`` (or ``=17,40``) runs only those. A failure names every failing seed, its config, what differed and a one-line
-reproduction. ``python -m tests.test_differential 17`` prints a seed's config.
+the fixed set); ``MATRIXFSDP_DIFF_HSDP_TP_SEEDS=100`` adds HSDP x tensor-parallel seeds
+(``HSDP_TP_SEED_BASE`` + 0..99, world 4 as 1x2x2 or 2x1x2; ``HSDP_TP_CI_SEEDS`` are fixed);
+``MATRIXFSDP_DIFF_SEED=17`` (or ``=17,40``) runs only those. A failure names every failing
+seed, its config, what differed and a one-line reproduction. ``python -m tests.test_differential 17`` prints a seed's config.
 ``MATRIXFSDP_DIFF_TAIL_ONLY=1`` selects no matrix but the rank-dependent branch and a singly
 frozen matrix, so stock FSDP2 trains the rest: a failure that goes away with it, or stays only
 on those two, is the matrix runtime's.
@@ -62,6 +64,7 @@ import matrixfsdp as mf
 
 from .checks import FREE_RUNNING_KWARGS, full_optimizer_state, full_values
 from .diff_models import (
+    HSDP_TP_SEED_BASE,
     TP_SEED_BASE,
     DiffConfig,
     build_model,
@@ -69,6 +72,7 @@ from .diff_models import (
     draw_config,
     feature_universe,
     features,
+    hsdp_tp_feature_universe,
     micro_loss,
     root_matrix_filter,
     tp_feature_universe,
@@ -138,6 +142,8 @@ CI_SEEDS: dict[int, str] = {
 # Tensor-parallel seeds (from TP_SEED_BASE): chosen greedily until ``tp_feature_universe`` is
 # covered, each with at least one TP block.
 TP_CI_SEEDS = (1000033, 1000148, 1000011, 1000039, 1000084, 1000012, 1000013)
+# HSDP x TP seeds (from HSDP_TP_SEED_BASE), chosen the same way for ``hsdp_tp_feature_universe``.
+HSDP_TP_CI_SEEDS = (2000085, 2000007, 2000010, 2000016)
 
 Grads = dict[str, "torch.Tensor | None"]
 
@@ -148,8 +154,9 @@ def selected_seeds() -> list[int]:
     only = os.environ.get("MATRIXFSDP_DIFF_SEED", "").strip()
     if only:
         return sorted({int(s) for s in only.split(",") if s.strip()})
-    seeds = set(CI_SEEDS) | set(TP_CI_SEEDS)
-    for variable, base in (("MATRIXFSDP_DIFF_SEEDS", 0), ("MATRIXFSDP_DIFF_TP_SEEDS", TP_SEED_BASE)):
+    seeds = set(CI_SEEDS) | set(TP_CI_SEEDS) | set(HSDP_TP_CI_SEEDS)
+    for variable, base in (("MATRIXFSDP_DIFF_SEEDS", 0), ("MATRIXFSDP_DIFF_TP_SEEDS", TP_SEED_BASE),
+                           ("MATRIXFSDP_DIFF_HSDP_TP_SEEDS", HSDP_TP_SEED_BASE)):
         extra = os.environ.get(variable, "").strip()
         if extra:
             start, _, stop = extra.rpartition(":")
@@ -253,14 +260,17 @@ def _config_mesh(cfg: DiffConfig, index: int) -> tuple[DeviceMesh, list[dist.Pro
     if cfg.mesh == "flat":
         group = dist.new_group(list(range(cfg.world)), timeout=timeout)
         return DeviceMesh.from_group(group, "cpu", mesh_dim_names=(f"dp{index}",)), [group]
-    # hsdp: dim 0 replicates, dim 1 shards; tp: dim 0 is dp, dim 1 is tp (rank = dp * 2 + tp)
-    layout = torch.arange(4).view(2, 2)
-    inner = [dist.new_group(row.tolist(), timeout=timeout) for row in layout]
-    outer = [dist.new_group(col.tolist(), timeout=timeout) for col in layout.T]
-    row, position = divmod(rank, 2)
-    mine = [outer[position], inner[row]]
-    names = (f"dp{index}", f"tp{index}") if cfg.mesh == "tp" else (f"replicate{index}",
-                                                                     f"shard{index}")
+    # hsdp: (replicate, shard); tp: (dp, tp); hsdp_tp: (replicate, shard, tp); rank-major layout
+    layout = torch.arange(cfg.world).view(cfg.mesh_shape)
+    mine = []
+    for dim in range(layout.ndim):  # every rank creates every group of every dim, in one order
+        for ranks in layout.movedim(dim, -1).reshape(-1, layout.shape[dim]).tolist():
+            group = dist.new_group(ranks, timeout=timeout)
+            if rank in ranks:
+                mine.append(group)
+    kinds = {"hsdp": ("replicate", "shard"), "tp": ("dp", "tp"),
+             "hsdp_tp": ("replicate", "shard", "tp")}[cfg.mesh]
+    names = tuple(f"{kind}{index}" for kind in kinds)
     return DeviceMesh.from_group(mine, "cpu", mesh=layout, mesh_dim_names=names), mine
 
 
@@ -273,12 +283,12 @@ def _tail_only_filter(cfg: DiffConfig) -> Callable[[str, nn.Parameter], bool]:
 
 def _wrap(cfg: DiffConfig, model: nn.Module, mesh: DeviceMesh) -> None:
     shape = cfg.shape
-    if cfg.mesh == "tp":  # tensor parallelism first, as torchtitan does; then owners over dp
-        dp_name, tp_name = mesh.mesh_dim_names
+    if cfg.is_tp:  # tensor parallelism first, as torchtitan does; then owners over dp
+        *dp_names, tp_name = mesh.mesh_dim_names
         for i in cfg.tp_blocks:
             parallelize_module(model.layers[i], mesh[tp_name],
                                {"up": ColwiseParallel(), "down": RowwiseParallel()})
-        mesh = mesh[dp_name]
+        mesh = mesh[tuple(dp_names)] if len(dp_names) > 1 else mesh[dp_names[0]]
     matrix_filter = root_matrix_filter if shape.root_matrices else None
     if os.environ.get("MATRIXFSDP_DIFF_TAIL_ONLY") == "1":  # stock FSDP2 (see the module doc)
         matrix_filter = _tail_only_filter(cfg)
@@ -289,7 +299,7 @@ def _wrap(cfg: DiffConfig, model: nn.Module, mesh: DeviceMesh) -> None:
         planner=mf.LPTPlanner(stacks=cfg.stacks) if "moe" in shape.kinds else None,
         collectives=cfg.collectives,
     )
-    if cfg.mesh == "tp":  # the harness's own check: every parallelized MLP is a TP matrix pair
+    if cfg.is_tp:  # the harness's own check: every parallelized MLP is a TP matrix pair
         tp_matrices = {f for f, mp in mf.get_state(model).params.items() if mp.tp is not None}
         want = {f"layers.{i}.{m}.weight" for i in cfg.tp_blocks for m in ("up", "down")}
         if tp_matrices != want:
@@ -471,7 +481,7 @@ class Reference:
                 p.copy_(start[fqn])
         want = self.expected_grads(step)
         rtol = {(False, False): GRAD_RTOL, (False, True): TP_RTOL, (True, False): MP_GRAD_RTOL,
-                (True, True): TP_MP_RTOL}[cfg.mixed_precision, cfg.mesh == "tp"]
+                (True, True): TP_MP_RTOL}[cfg.mixed_precision, cfg.is_tp]
         out = [f"step {step}: {len(lib_grads)} synchronizing backwards, reference "
                f"{len(want)}"] if len(want) != len(lib_grads) else []
         for k, (got, (expected, scales)) in enumerate(zip(lib_grads, want, strict=False)):
@@ -516,7 +526,7 @@ def _verdict(cfg: DiffConfig, outcomes: list[dict], ref: Reference | None) -> li
     failures += [o["error"] for o in outcomes if o["error"] and "imed out" in o["error"]]
     failures += outcomes[0]["mismatches"]
     loss_rtol, loss_floor = LOSS_RTOL, 1e-30
-    if cfg.mesh == "tp":  # under mixed precision: relative to the loss, or to 1 when smaller
+    if cfg.is_tp:  # under mixed precision: relative to the loss, or to 1 when smaller
         loss_rtol, loss_floor = (TP_MP_RTOL, 1.0) if cfg.mixed_precision else (TP_RTOL, 1e-30)
     if ref is not None and not failures:
         for rank, o in enumerate(outcomes):
@@ -525,7 +535,7 @@ def _verdict(cfg: DiffConfig, outcomes: list[dict], ref: Reference | None) -> li
                 if want is None or not abs(loss - want) <= loss_rtol * max(abs(want), loss_floor):
                     failures.append(f"loss step/micro {key} rank {rank}: library {loss!r}, "
                                     f"reference {want!r}")
-        if cfg.mesh == "hsdp" and len({tuple(o["digests"]) for o in outcomes}) > 1:
+        if cfg.mesh in ("hsdp", "hsdp_tp") and len({tuple(o["digests"]) for o in outcomes}) > 1:
             failures.append("HSDP replicas hold different values or gradients: "
                             f"{[o['digests'] for o in outcomes]}")
     return failures
@@ -602,6 +612,14 @@ def test_tp_ci_seeds_cover_every_pattern() -> None:
     assert all(c.mesh == "tp" and c.tp_blocks for c in configs)
     covered = {f.removesuffix("@ranks") for c in configs for f in features(c)}
     missing = tp_feature_universe() - covered
+    assert not missing, f"not covered: {sorted(missing)}"
+
+
+def test_hsdp_tp_ci_seeds_cover_every_pattern() -> None:
+    configs = [draw_config(s) for s in HSDP_TP_CI_SEEDS]
+    assert all(c.mesh == "hsdp_tp" and c.tp_blocks for c in configs)
+    covered = {f.removesuffix("@ranks") for c in configs for f in features(c)}
+    missing = hsdp_tp_feature_universe() - covered
     assert not missing, f"not covered: {sorted(missing)}"
 
 
