@@ -12,7 +12,7 @@
   - ``blockwise`` (Megatron-core's ``TensorParallelMuon(mode="blockwise")``): Newton–Schulz on
     each TP shard, lr scaled by the shard's shape as Megatron does; no bytes; not exact;
   - ``duplicated``: momentum on the shard, the Nesterov direction all-gathered in the tp group
-    (one ``all_gather_single`` per bucket, the next one in flight), every tp rank
+    (one ``all_gather_into_tensor`` per bucket, the next one in flight), every tp rank
     orthogonalizes every whole matrix and keeps its slice; exact, ``tp`` x redundant compute;
   - ``step_owner`` (this design): ``matrixfsdp.optim.tp_step.step_tp_matrices`` with the
     library's ``WholeStepper`` and default buckets; ``step_owner_1``: one matrix per bucket
@@ -202,7 +202,7 @@ class Duplicated:
     def _start(self, bucket: list[int], dirs: Sequence[Tensor]) -> tuple[Tensor, Any]:
         inp = torch.cat([dirs[i].reshape(-1) for i in bucket])
         out = inp.new_empty(inp.numel() * dist.get_world_size(self.group))
-        return out, dist.all_gather_single(out, inp, group=self.group, async_op=True)
+        return out, dist.all_gather_into_tensor(out, inp, group=self.group, async_op=True)
 
     @torch.no_grad()
     def step(self, grads: Sequence[Tensor]) -> int:
