@@ -4,8 +4,8 @@ CI cannot install 2.11, so this test reads the sources: no module of the library
 benchmarks or the tests names a public torch API that 2.11 lacks, except through
 ``getattr(module, name, None)`` with a fallback (a string, which this test does not flag).
 ``NEWER_THAN_2_11`` is what ``dir()`` of these torch modules holds on 2.13.0 and not on 2.11.0
-(measured 2026-12-02 on both wheels), leaving out private names, which the project does not
-call: ``torch.distributed`` (and ``distributed_c10d``), ``torch.distributed.fsdp``,
+(measured 2026-12-02 on both wheels), leaving out private names (the private ones the project
+uses, such as ``_coalescing_manager``, exist in both): ``torch.distributed`` (and ``distributed_c10d``), ``torch.distributed.fsdp``,
 ``torch.nn``, ``torch.nn.functional``, ``torch.autograd``, ``torch.autograd.graph``,
 ``torch.cuda``, ``torch._dynamo`` and ``torch``.
 """
