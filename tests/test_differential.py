@@ -97,9 +97,14 @@ LOSS_RTOL = 1e-6
 # after it. Measured over 200 TP seeds: in fp32 gradients within 1.6e-6 and losses within
 # 1.2e-6; under mixed precision (the partial products round to bf16 before their sum)
 # gradients within 2.9e-2 of their scale and losses within 0.01 (several bf16 ulps of logits
-# whose cross entropy is small). A lost contribution still errs by 0.3 or more.
+# whose cross entropy is small). A lost contribution still errs by 0.3 or more. 200 HSDP x TP
+# seeds then found two bf16 configs at 5.1e-2 and 7.6e-2 (norms and biases of a TP block, whose
+# sums over a few tokens cancel). Both err the same on the flat dp x tp mesh, by 0 without TP
+# (bit-exact), and by 2.6e-6 at most in fp32: the partial products' bf16 rounding, not the
+# runtime. The gradient tolerance sits halfway (geometrically) between 7.6e-2 and 0.3.
 TP_RTOL = 1e-5
-TP_MP_RTOL = 5e-2
+TP_MP_RTOL = 0.15
+TP_MP_LOSS_RTOL = 5e-2
 # The update of one teacher-forced step (same parameters and gradients), relative per tensor.
 # SGD/AdamW: torch's own optimizer on both sides (measured: bit-identical). Matrix optimizers: the
 # library's fp32 step against the float64 formulas of tests/references.py; measured maxima over
@@ -527,7 +532,7 @@ def _verdict(cfg: DiffConfig, outcomes: list[dict], ref: Reference | None) -> li
     failures += outcomes[0]["mismatches"]
     loss_rtol, loss_floor = LOSS_RTOL, 1e-30
     if cfg.is_tp:  # under mixed precision: relative to the loss, or to 1 when smaller
-        loss_rtol, loss_floor = (TP_MP_RTOL, 1.0) if cfg.mixed_precision else (TP_RTOL, 1e-30)
+        loss_rtol, loss_floor = (TP_MP_LOSS_RTOL, 1.0) if cfg.mixed_precision else (TP_RTOL, 1e-30)
     if ref is not None and not failures:
         for rank, o in enumerate(outcomes):
             for key, loss in o["losses"].items():
