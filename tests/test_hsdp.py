@@ -11,7 +11,6 @@ import functools
 import hashlib
 import json
 import os
-import shutil
 from pathlib import Path
 from unittest import mock
 
@@ -20,10 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
 
 import matrixfsdp as mf
-from matrixfsdp.checkpoint.storage import read_metadata
 from matrixfsdp.memory import matrix_memory
 from matrixfsdp.planner import make_plan
 from matrixfsdp.runtime import WorkKind
@@ -36,9 +33,15 @@ from .checks import (
     full_values,
     reference_values,
 )
-from .dist_utils import device_type, run_subtests, run_world
+from .dist_utils import run_subtests, run_world
+from .hsdp_checkpoints import (
+    assert_replicas_equal,
+    hsdp_mesh,
+    legacy_layout_loads,
+    load_and_compare,
+    save_and_record,
+)
 from .models import TinyTransformer, global_batch, lm_loss, local_batch
-from .test_checkpoint import _assert_state_equal, _state, _values
 from .test_optim_dist import ReferenceStepper
 from .test_streams import hsdp_checker_has_teeth, race_free_training
 
@@ -48,11 +51,6 @@ SHAPES = ((2, 2), (1, 4), (4, 1))
 LR = {"muon": 0.02, "okls": 0.01}
 
 
-def _mesh(shape: tuple[int, int], named: bool = True):
-    names = ("replicate", "shard") if named else None
-    return init_device_mesh(device_type(), shape, mesh_dim_names=names)
-
-
 def _pair(**model_kwargs) -> tuple[nn.Module, nn.Module]:
     torch.manual_seed(0)
     ref = TinyTransformer(**model_kwargs)
@@ -60,7 +58,7 @@ def _pair(**model_kwargs) -> tuple[nn.Module, nn.Module]:
 
 
 def _wrap(model: nn.Module, shape: tuple[int, int], **kwargs) -> nn.Module:
-    return mf.fully_shard_matrix(model, _mesh(shape), **kwargs)
+    return mf.fully_shard_matrix(model, hsdp_mesh(shape), **kwargs)
 
 
 def _reference_loss(ref: nn.Module, tokens: torch.Tensor, world: int,
@@ -72,25 +70,6 @@ def _reference_loss(ref: nn.Module, tokens: torch.Tensor, world: int,
         total = total + lm_loss(ref, local_batch(tokens, r, world)) / world
     ref.layers[1].use_unused = False
     return total
-
-
-def _across_replicas_equal(model: nn.Module, opt: torch.optim.Optimizer | None = None) -> None:
-    """Every parameter (and optimizer-state tensor) is bitwise equal in every replica."""
-    state = mf.get_state(model)
-    group = state.dp_mesh.replicate_group
-    replicas = state.mesh_shape[0]
-    if group is None or replicas == 1:
-        return
-    for fqn, p in model.named_parameters():
-        tensors = {"param": p.detach()}
-        if opt is not None:
-            tensors.update(opt.state.get(p, {}))
-        for key, t in sorted(tensors.items()):
-            local = (t.to_local() if isinstance(t, DTensor) else t).detach().reshape(-1).clone()
-            gathered = [torch.empty_like(local) for _ in range(replicas)]
-            dist.all_gather(gathered, local, group=group)
-            for r, other in enumerate(gathered[1:], start=1):
-                assert torch.equal(other, gathered[0]), f"{fqn}[{key}] differs in replica {r}"
 
 
 # -- subtests --------------------------------------------------------------------------------------
@@ -220,7 +199,7 @@ def _free_running(rank: int, world: int, shape: tuple[int, int], name: str, *,
         stepper.zero_grad()
         opt.zero_grad()
     assert_close_dicts(full_values(model), reference_values(ref), PARAM_RTOL, f"{name} {shape}")
-    _across_replicas_equal(model, opt)
+    assert_replicas_equal(model, opt)
 
 
 def _expert_slices(rank: int, world: int) -> None:
@@ -231,7 +210,7 @@ def _expert_slices(rank: int, world: int) -> None:
     from .test_experts import _stacks_and_gates
 
     ref, model = moe_pair()
-    mf.fully_shard_matrix(model, _mesh((2, 2)), matrix_filter=_stacks_and_gates,
+    mf.fully_shard_matrix(model, hsdp_mesh((2, 2)), matrix_filter=_stacks_and_gates,
                           planner=mf.LPTPlanner(stacks="slices"))
     plan = mf.get_plan(model)
     assert plan["layers.0.w_in"].role == "sharded_stack"
@@ -249,7 +228,7 @@ def _expert_slices(rank: int, world: int) -> None:
         stepper.zero_grad()
         opt.zero_grad()
     assert_close_dicts(full_values(model), reference_values(ref), PARAM_RTOL, "expert slices")
-    _across_replicas_equal(model, opt)
+    assert_replicas_equal(model, opt)
 
 
 def _accumulation(rank: int, world: int, shape: tuple[int, int],
@@ -416,7 +395,7 @@ def _plan_and_hash(rank: int, world: int) -> None:
 def _unnamed_mesh(rank: int, world: int) -> None:
     """An unnamed 2-D mesh is taken as FSDP2 takes it: dim 0 replicates, dim 1 shards."""
     ref, model = _pair()
-    mf.fully_shard_matrix(model, _mesh((2, 2), named=False))
+    mf.fully_shard_matrix(model, hsdp_mesh((2, 2), named=False))
     state = mf.get_state(model)
     assert state.mesh_shape == (2, 2) and state.mesh.mesh_dim_names == ("replicate", "shard")
     assert state.replica_rank == rank // 2
@@ -450,94 +429,6 @@ def _bad_meshes(rank: int, world: int) -> None:
         mf.init_hsdp_mesh(replicate=2, shard=4)
     mesh = mf.init_hsdp_mesh(replicate=2)
     assert tuple(mesh.shape) == (2, 2) and mesh.mesh_dim_names == ("replicate", "shard")
-
-
-# -- checkpoints -----------------------------------------------------------------------------------
-CKPT_STEPS, RESUME_STEPS = 2, 3
-
-
-def _ckpt_mesh(shape: tuple[int, int] | None, world: int):
-    return init_device_mesh("cpu", (world,)) if shape is None else _mesh(shape)
-
-
-def _ckpt_model(mesh, seed: int = 0, lr: float = 0.02) -> tuple[nn.Module, mf.MatrixOptimizer]:
-    torch.manual_seed(seed)
-    model = mf.fully_shard_matrix(TinyTransformer(), mesh)
-    opt = mf.MatrixOptimizer(model, optimizer="muon", lr=lr, weight_decay=0.1, tail_lr=1e-2,
-                             tail_weight_decay=0.1, ns_dtype="float32")
-    return model, opt
-
-
-def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: range, rank: int,
-           world: int) -> None:
-    for step in steps:
-        lm_loss(model, local_batch(global_batch(step), rank, world)).backward()
-        opt.step()
-        opt.zero_grad()
-
-
-def _save_ckpt(rank: int, world: int, root: str, label: str,
-               shape: tuple[int, int] | None) -> None:
-    """Train, save, record the values and state, train on (the resumed runs compare to it)."""
-    model, opt = _ckpt_model(_ckpt_mesh(shape, world))
-    _train(model, opt, range(CKPT_STEPS), rank, world)
-    path = Path(root) / label
-    mf.checkpoint.save(path, model, opt, step=CKPT_STEPS)
-    values, state = _values(model), _state(model, opt)
-    _train(model, opt, range(CKPT_STEPS, CKPT_STEPS + RESUME_STEPS), rank, world)
-    final = _values(model)
-    if rank == 0:
-        torch.save({"values": values, "state": state, "final": final}, Path(root) / f"{label}.pt")
-    layout = mf.checkpoint.read_layout(path)
-    saved_shape = shape or (1, world)
-    assert layout.mesh_shape == saved_shape and layout.plan.mesh_shape == saved_shape
-    assert layout.world_size == saved_shape[1]
-    # Written once: each matrix (and its state) by one rank of replica 0 (ranks 0..S-1).
-    metadata = read_metadata(path)
-    writers: dict[str, set[str]] = {}
-    for index, info in metadata.storage_data.items():
-        writers.setdefault(index.fqn, set()).add(info.relative_path)
-    replica0 = {f"__{r}_0.distcp" for r in range(saved_shape[1])}
-    for p in layout.plan.matrices:
-        for key in [f"model.{p.fqn}", *(k for k in writers if k.startswith(f"optim.state.{p.fqn}."))]:
-            assert len(writers[key]) == 1 and writers[key] <= replica0, (key, writers[key])
-            assert len(metadata.state_dict_metadata[key].chunks) == 1, key
-
-
-def _load_ckpt(rank: int, world: int, root: str, label: str,
-               shape: tuple[int, int] | None) -> None:
-    """Load into another mesh shape: values and optimizer state exact; 3 more steps as the
-    saving run's (1e-5: another reduction order); replicas bitwise equal."""
-    model, opt = _ckpt_model(_ckpt_mesh(shape, world), seed=1, lr=0.5)
-    assert mf.checkpoint.load(Path(root) / label, model, opt)["step"] == CKPT_STEPS
-    ref = torch.load(Path(root) / f"{label}.pt", weights_only=True)
-    assert_close_dicts(_values(model), ref["values"], 0.0, f"{label} values")
-    _assert_state_equal(_state(model, opt), ref["state"], f"{label} state")
-    _across_replicas_equal(model, opt)
-    _train(model, opt, range(CKPT_STEPS, CKPT_STEPS + RESUME_STEPS), rank, world)
-    assert_close_dicts(_values(model), ref["final"], PARAM_RTOL, f"{label} -> {shape or world}")
-    _across_replicas_equal(model, opt)
-
-
-def _legacy_layout(rank: int, world: int, root: str) -> None:
-    """A layout written before the mesh shape existed (no mesh_shape anywhere) still loads."""
-    legacy = Path(root) / "legacy"
-    if rank == 0:
-        shutil.copytree(Path(root) / "flat4", legacy)
-        raw = json.loads((legacy / "matrixfsdp_layout.json").read_text())
-        raw.pop("mesh_shape")
-        raw["plan"].pop("mesh_shape")
-        old_form = {**raw["plan"], "params": [r[:-1] for r in raw["plan"]["params"]]}
-        digest = json.dumps(old_form, sort_keys=True, separators=(",", ":")).encode()
-        raw["plan_hash"] = hashlib.sha256(digest).hexdigest()
-        (legacy / "matrixfsdp_layout.json").write_text(json.dumps(raw))
-    dist.barrier()
-    layout = mf.checkpoint.read_layout(legacy)
-    assert layout.mesh_shape is None and layout.saved_mesh_shape == (1, 4)
-    model, opt = _ckpt_model(_mesh((2, 2)), seed=1)
-    mf.checkpoint.load(legacy, model, opt)
-    ref = torch.load(Path(root) / "flat4.pt", weights_only=True)
-    assert_close_dicts(_values(model), ref["values"], 0.0, "legacy layout")
 
 
 def _cli_train_replicate(rank: int, world: int, root: str) -> None:
@@ -594,18 +485,18 @@ def _world(rank: int, world: int, root: str) -> None:
     subtests["partial_sum_cleared_2x2"] = functools.partial(_partial_sum_cleared, rank, world,
                                                             (2, 2))
     subtests["streams_race_free_2x2"] = functools.partial(
-        race_free_training, rank, world, mesh=_mesh((2, 2)), micro=2, keep_reducing=True)
+        race_free_training, rank, world, mesh=hsdp_mesh((2, 2)), micro=2, keep_reducing=True)
     subtests["streams_checker_has_teeth_2x2"] = functools.partial(
-        hsdp_checker_has_teeth, rank, world, _mesh((2, 2)))
+        hsdp_checker_has_teeth, rank, world, hsdp_mesh((2, 2)))
     subtests["expert_slices_2x2"] = functools.partial(_expert_slices, rank, world)
     subtests["plan_and_hash"] = functools.partial(_plan_and_hash, rank, world)
     subtests["unnamed_mesh"] = functools.partial(_unnamed_mesh, rank, world)
     subtests["bad_meshes"] = functools.partial(_bad_meshes, rank, world)
-    subtests["save_2x2"] = functools.partial(_save_ckpt, rank, world, root, "hsdp2x2", (2, 2))
-    subtests["save_flat4"] = functools.partial(_save_ckpt, rank, world, root, "flat4", None)
-    subtests["load_1x4_into_2x2"] = functools.partial(_load_ckpt, rank, world, root, "flat4",
+    subtests["save_2x2"] = functools.partial(save_and_record, rank, world, root, "hsdp2x2", (2, 2))
+    subtests["save_flat4"] = functools.partial(save_and_record, rank, world, root, "flat4", None)
+    subtests["load_1x4_into_2x2"] = functools.partial(load_and_compare, rank, world, root, "flat4",
                                                       (2, 2))
-    subtests["legacy_layout"] = functools.partial(_legacy_layout, rank, world, root)
+    subtests["legacy_layout"] = functools.partial(legacy_layout_loads, rank, world, root)
     subtests["cli_train_replicate"] = functools.partial(_cli_train_replicate, rank, world, root)
     run_subtests(rank, subtests)
 
@@ -613,7 +504,7 @@ def _world(rank: int, world: int, root: str) -> None:
 def _load_world(rank: int, world: int, root: str) -> None:
     shape = (2, 1) if world == 2 else None  # 2x2 -> 2x1 (HSDP), 2x2 -> 1x3 (flat)
     run_subtests(rank, {f"load_2x2_into_{shape or world}": functools.partial(
-        _load_ckpt, rank, world, root, "hsdp2x2", shape)})
+        load_and_compare, rank, world, root, "hsdp2x2", shape)})
 
 
 @pytest.fixture(scope="module")
