@@ -64,8 +64,9 @@ import matrixfsdp as mf
 
 from .checks import FREE_RUNNING_KWARGS, full_optimizer_state, full_values
 from .diff_models import (
-    HSDP_TP_SEED_BASE,
-    TP_SEED_BASE,
+    CI_SEEDS,
+    HSDP_TP_CI_SEEDS,
+    TP_CI_SEEDS,
     DiffConfig,
     build_model,
     call_tokens,
@@ -75,6 +76,7 @@ from .diff_models import (
     hsdp_tp_feature_universe,
     micro_loss,
     root_matrix_filter,
+    selected_seeds,
     tp_feature_universe,
 )
 from .dist_utils import run_world
@@ -125,50 +127,7 @@ GROUP_TIMEOUT_S = 60  # per-config process groups: a stuck collective fails the 
 STEPS = 2
 SEEDS_PER_WORLD = 40
 REPRODUCE = "MATRIXFSDP_DIFF_SEED={seed} python -m pytest -q tests/test_differential.py"
-# The CI seed set: first, for each usage pattern, the world-2 seed whose config holds the fewest
-# other patterns (the value names what it isolates); then seeds chosen greedily, cheap worlds
-# first, until every value of ``feature_universe`` appears at least twice (the test below asks
-# for once). Measured on the 2-core machine: 37 s for all 36 seeds (5 tests) at load average 5.6.
-CI_SEEDS: dict[int, str] = {
-    485: "forwards=sum3", 2019: "forwards=chosen_rejected", 1107: "forwards=siamese",
-    230: "forwards=sum2 + whole block frozen after step 0", 828: "checkpoint=block",
-    1907: "checkpoint=block_reentrant", 1575: "checkpoint=whole",
-    716: "checkpoint=whole_reentrant", 441: "between=no_grad + root matrices",
-    4115: "between=inference_mode", 2484: "between=eval", 859: "between=eval_no_grad",
-    101: "accumulation (sync off, then on)", 4324: "backward(retain_graph=True) twice",
-    2643: "zero_grad(set_to_none=False)", 1400: "rank-dependent branch",
-    125: "block called twice", 1760: "mixed precision",
-    3777: "matrix frozen after wrap + between=eval", 900: "matrix frozen after step 0 + accum",
-    1925: "matrix frozen after wrap, unfrozen after step 0",
-    1052: "block frozen after wrap + mixed precision", 624: "block frozen after step 0",
-    1010: "unused branch", 419: "root matrices (shared module called twice, untied head)",
-    **dict.fromkeys((5951, 87, 3028, 49, 99, 0, 2, 50, 65, 5, 7), "cover"),
-}
-# Tensor-parallel seeds (from TP_SEED_BASE): chosen greedily until ``tp_feature_universe`` is
-# covered, each with at least one TP block.
-TP_CI_SEEDS = (1000033, 1000148, 1000011, 1000039, 1000084, 1000012, 1000013)
-# HSDP x TP seeds (from HSDP_TP_SEED_BASE), chosen the same way for ``hsdp_tp_feature_universe``.
-HSDP_TP_CI_SEEDS = (2000085, 2000007, 2000010, 2000016)
-
 Grads = dict[str, "torch.Tensor | None"]
-
-
-# -- seeds -----------------------------------------------------------------------------------------
-def selected_seeds() -> list[int]:
-    """``MATRIXFSDP_DIFF_SEED`` alone, else ``CI_SEEDS`` plus ``MATRIXFSDP_DIFF_SEEDS``."""
-    only = os.environ.get("MATRIXFSDP_DIFF_SEED", "").strip()
-    if only:
-        return sorted({int(s) for s in only.split(",") if s.strip()})
-    seeds = set(CI_SEEDS) | set(TP_CI_SEEDS) | set(HSDP_TP_CI_SEEDS)
-    for variable, base in (("MATRIXFSDP_DIFF_SEEDS", 0), ("MATRIXFSDP_DIFF_TP_SEEDS", TP_SEED_BASE),
-                           ("MATRIXFSDP_DIFF_HSDP_TP_SEEDS", HSDP_TP_SEED_BASE)):
-        extra = os.environ.get(variable, "").strip()
-        if extra:
-            start, _, stop = extra.rpartition(":")
-            if not stop.isdigit() or (start and not start.isdigit()):
-                raise ValueError(f"{variable} must be a count n or a range a:b, got {extra!r}")
-            seeds.update(range(base + int(start or 0), base + int(stop)))
-    return sorted(seeds)
 
 
 # -- comparisons -----------------------------------------------------------------------------------
