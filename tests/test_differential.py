@@ -571,19 +571,16 @@ def test_ci_seeds_cover_every_pattern() -> None:
     assert feature_universe() <= covered, f"not covered: {sorted(feature_universe() - covered)}"
 
 
-def test_tp_ci_seeds_cover_every_pattern() -> None:
-    configs = [draw_config(s) for s in TP_CI_SEEDS]
-    assert all(c.mesh == "tp" and c.tp_blocks for c in configs)
+@pytest.mark.parametrize(("mesh", "seeds", "universe"), [
+    ("tp", TP_CI_SEEDS, tp_feature_universe),
+    ("hsdp_tp", HSDP_TP_CI_SEEDS, hsdp_tp_feature_universe),
+])
+def test_tp_ci_seeds_cover_every_pattern(mesh: str, seeds: tuple[int, ...],
+                                         universe: Callable[[], set[str]]) -> None:
+    configs = [draw_config(s) for s in seeds]
+    assert all(c.mesh == mesh and c.tp_blocks for c in configs)
     covered = {f.removesuffix("@ranks") for c in configs for f in features(c)}
-    missing = tp_feature_universe() - covered
-    assert not missing, f"not covered: {sorted(missing)}"
-
-
-def test_hsdp_tp_ci_seeds_cover_every_pattern() -> None:
-    configs = [draw_config(s) for s in HSDP_TP_CI_SEEDS]
-    assert all(c.mesh == "hsdp_tp" and c.tp_blocks for c in configs)
-    covered = {f.removesuffix("@ranks") for c in configs for f in features(c)}
-    missing = hsdp_tp_feature_universe() - covered
+    missing = universe() - covered
     assert not missing, f"not covered: {sorted(missing)}"
 
 
