@@ -22,7 +22,7 @@ from matrixfsdp.checkpoint.storage import read_metadata
 
 from .checks import assert_close_dicts
 from .dist_utils import device_type
-from .models import TinyTransformer, global_batch, lm_loss, local_batch
+from .models import TinyTransformer, train_steps
 from .test_checkpoint import _assert_state_equal, _state, _values
 
 __all__ = [
@@ -78,23 +78,16 @@ def _ckpt_model(mesh, seed: int = 0, lr: float = 0.02) -> tuple[nn.Module, mf.Ma
     return model, opt
 
 
-def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: range, rank: int,
-           world: int) -> None:
-    for step in steps:
-        lm_loss(model, local_batch(global_batch(step), rank, world)).backward()
-        opt.step()
-        opt.zero_grad()
-
 
 def save_and_record(rank: int, world: int, root: str, label: str,
                shape: tuple[int, int] | None) -> None:
     """Train, save, record the values and state, train on (the resumed runs compare to it)."""
     model, opt = _ckpt_model(_ckpt_mesh(shape, world))
-    _train(model, opt, range(CKPT_STEPS), rank, world)
+    train_steps(model, opt, range(CKPT_STEPS), rank, world)
     path = Path(root) / label
     mf.checkpoint.save(path, model, opt, step=CKPT_STEPS)
     values, state = _values(model), _state(model, opt)
-    _train(model, opt, range(CKPT_STEPS, CKPT_STEPS + RESUME_STEPS), rank, world)
+    train_steps(model, opt, range(CKPT_STEPS, CKPT_STEPS + RESUME_STEPS), rank, world)
     final = _values(model)
     if rank == 0:
         torch.save({"values": values, "state": state, "final": final}, Path(root) / f"{label}.pt")
@@ -124,7 +117,7 @@ def load_and_compare(rank: int, world: int, root: str, label: str,
     assert_close_dicts(_values(model), ref["values"], 0.0, f"{label} values")
     _assert_state_equal(_state(model, opt), ref["state"], f"{label} state")
     assert_replicas_equal(model, opt)
-    _train(model, opt, range(CKPT_STEPS, CKPT_STEPS + RESUME_STEPS), rank, world)
+    train_steps(model, opt, range(CKPT_STEPS, CKPT_STEPS + RESUME_STEPS), rank, world)
     assert_close_dicts(_values(model), ref["final"], RESUME_RTOL, f"{label} -> {shape or world}")
     assert_replicas_equal(model, opt)
 

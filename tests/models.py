@@ -103,3 +103,12 @@ def global_batch(step: int, batch: int = 12, seq: int = 9) -> torch.Tensor:
 def local_batch(tokens: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     per = tokens.shape[0] // world
     return tokens[rank * per : (rank + 1) * per]
+
+
+def train_steps(model: nn.Module, opt: torch.optim.Optimizer, steps: range, rank: int,
+                world: int) -> None:
+    """One optimizer step per step of ``steps`` on data rank ``rank``'s share of its global batch."""
+    for step in steps:
+        lm_loss(model, local_batch(global_batch(step), rank, world)).backward()
+        opt.step()
+        opt.zero_grad()

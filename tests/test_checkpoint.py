@@ -35,7 +35,7 @@ from matrixfsdp.checkpoint.storage import read_metadata
 
 from .checks import assert_close_dicts, full_optimizer_state, full_values, reference_values
 from .dist_utils import run_subtests, run_world
-from .models import TinyTransformer, global_batch, lm_loss, local_batch
+from .models import TinyTransformer, global_batch, train_steps
 
 OPTIMIZERS = ("muon", "okls")
 SAVE_WORLDS = (1, 2, 4)
@@ -59,12 +59,6 @@ def _make(name: str, seed: int = 0, lr: float = LR, **wrap_kwargs) -> tuple[nn.M
                              tail_weight_decay=0.1, **KWARGS[name])
     return model, opt
 
-
-def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: range, rank: int, world: int) -> None:
-    for step in steps:
-        lm_loss(model, local_batch(global_batch(step), rank, world)).backward()
-        opt.step()
-        opt.zero_grad()
 
 
 def _ckpt_root(root: str, world: int, name: str) -> Path:
@@ -104,7 +98,7 @@ def _dir_digest(path: Path) -> dict[str, str]:
 # -- saving worlds ---------------------------------------------------------------------------------
 def _train_and_save(rank: int, world: int, root: str, name: str) -> None:
     model, opt = _make(name)
-    _train(model, opt, range(SAVE_AT), rank, world)
+    train_steps(model, opt, range(SAVE_AT), rank, world)
     torch.manual_seed(1234 + rank)  # a per-rank RNG state worth restoring
     torch.rand(3)
     torch.save(torch.get_rng_state(), _rng_file(root, world, name, rank))
@@ -113,7 +107,7 @@ def _train_and_save(rank: int, world: int, root: str, name: str) -> None:
     values, state = _values(model), _state(model, opt)
     with torch.no_grad():
         logits = model(_probe())
-    _train(model, opt, range(SAVE_AT, SAVE_AT + RESUME_STEPS), rank, world)
+    train_steps(model, opt, range(SAVE_AT, SAVE_AT + RESUME_STEPS), rank, world)
     final = _values(model)
     if rank == 0:
         torch.save({"values": values, "state": state, "logits": logits.cpu(), "final": final},
@@ -124,10 +118,10 @@ def _crash_mid_save(rank: int, world: int, root: str) -> None:
     """A rank failing while writing, or the coordinator failing before publishing, changes nothing."""
     base = Path(root) / "crash"
     model, opt = _make("muon")
-    _train(model, opt, range(2), rank, world)
+    train_steps(model, opt, range(2), rank, world)
     ck.save(ck.step_dir(base, 2), model, opt, step=2)
     values = _values(model)
-    _train(model, opt, range(2, 3), rank, world)
+    train_steps(model, opt, range(2, 3), rank, world)
     tmp = base / ".step_00000003.tmp"
 
     def fail_on_rank1(self, plan, planner):
@@ -161,11 +155,11 @@ def _crash_mid_save(rank: int, world: int, root: str) -> None:
 def _async_save(rank: int, world: int, root: str) -> None:
     base = Path(root) / "async"
     model, opt = _make("okls")
-    _train(model, opt, range(2), rank, world)
+    train_steps(model, opt, range(2), rank, world)
     handle = ck.save(ck.step_dir(base, 2), model, opt, step=2, async_save=True)
     assert isinstance(handle, ck.AsyncSave)
     values, state = _values(model), _state(model, opt)
-    _train(model, opt, range(2, 3), rank, world)  # the staged copy must not see this step
+    train_steps(model, opt, range(2, 3), rank, world)  # the staged copy must not see this step
     assert ck.latest(base) is None, "published before wait()"
     dist.barrier()
     assert handle.wait() == ck.step_dir(base, 2) and ck.latest(base) == ck.step_dir(base, 2)
@@ -246,7 +240,7 @@ def _resume(rank: int, world: int, root: str, saved_world: int, name: str) -> No
     if rank < saved_world:
         rng = torch.load(_rng_file(root, saved_world, name, rank), weights_only=True)
         assert torch.equal(torch.get_rng_state(), rng), "RNG state not restored"
-    _train(model, opt, range(SAVE_AT, SAVE_AT + RESUME_STEPS), rank, world)
+    train_steps(model, opt, range(SAVE_AT, SAVE_AT + RESUME_STEPS), rank, world)
     rtol = 0.0 if world == saved_world else CROSS_WORLD_RTOL
     assert_close_dicts(_values(model), ref["final"], rtol, f"resumed {saved_world}->{world}")
 
@@ -291,7 +285,7 @@ def _damage_cases() -> dict:
 def _corrupt_inputs(rank: int, world: int, root: str) -> None:
     good = ck.latest(_ckpt_root(root, 2, "muon"))
     model, opt = _make("muon", seed=1)
-    _train(model, opt, range(1), rank, world)
+    train_steps(model, opt, range(1), rank, world)
     before, state_before = _values(model), _state(model, opt)
     base = Path(root) / f"corrupt{world}"
     for case, (damage, error, match) in _damage_cases().items():

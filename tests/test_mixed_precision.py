@@ -13,7 +13,7 @@ import matrixfsdp as mf
 
 from .checks import assert_close_dicts, full_values, reference_values
 from .dist_utils import run_subtests, run_world
-from .models import TinyTransformer, global_batch, lm_loss, local_batch
+from .models import TinyTransformer, global_batch, lm_loss, local_batch, train_steps
 
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
@@ -87,10 +87,7 @@ def _masters_keep_fp32_precision(rank: int, world: int) -> None:
     _, model = _pair()
     mf.fully_shard_matrix(model, mp_policy=BF16)
     opt = mf.MatrixOptimizer(model, "muon", lr=0.02, tail_lr=1e-2)
-    for step in range(3):
-        lm_loss(model, local_batch(global_batch(step), rank, world)).backward()
-        opt.step()
-        opt.zero_grad()
+    train_steps(model, opt, range(3), rank, world)
     state = mf.get_state(model)
     for mp in state.params.values():
         if mp.is_owner:

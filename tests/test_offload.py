@@ -24,7 +24,7 @@ from matrixfsdp.optim.offload import HostOffload, OnDevice
 
 from .checks import FREE_RUNNING_KWARGS
 from .dist_utils import run_subtests, run_world, test_device
-from .models import TinyTransformer, global_batch, lm_loss, local_batch
+from .models import TinyTransformer, train_steps
 
 
 def _model(**wrap: object) -> nn.Module:
@@ -39,13 +39,6 @@ def _opt(model: nn.Module, name: str, **kwargs: object) -> mf.MatrixOptimizer:
     return mf.MatrixOptimizer(model, optimizer=name, lr=0.01, weight_decay=0.1, tail_lr=1e-2,
                               **kwargs)
 
-
-def _train(model: nn.Module, opt: torch.optim.Optimizer, rank: int, world: int,
-           steps: range) -> None:
-    for step in steps:
-        lm_loss(model, local_batch(global_batch(step), rank, world)).backward()
-        opt.step()
-        opt.zero_grad()
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -72,9 +65,9 @@ def _exact_for(rank: int, world: int, name: str) -> None:
     placement = opt_off._placement
     assert isinstance(placement, HostOffload) and isinstance(opt_plain._placement, OnDevice)
     for step in range(3):
-        _train(plain, opt_plain, rank, world, range(step, step + 1))
+        train_steps(plain, opt_plain, range(step, step + 1), rank, world)
         placement.reset_peaks()
-        _train(offloaded, opt_off, rank, world, range(step, step + 1))
+        train_steps(offloaded, opt_off, range(step, step + 1), rank, world)
         owned = [p for p in opt_off.param_groups[0]["params"] if p.numel()]
         # by construction: at most two matrices staged; two when this rank owns two or more
         assert placement.peak_resident == min(2, len(owned)), (placement.peak_resident, len(owned))
@@ -91,7 +84,7 @@ def _exact_for(rank: int, world: int, name: str) -> None:
 def _checkpoint_round_trip(rank: int, world: int, root: str) -> None:
     model = _model()
     opt = _opt(model, "okls", offload_state="cpu")
-    _train(model, opt, rank, world, range(2))
+    train_steps(model, opt, range(2), rank, world)
     path = Path(root) / "offload_ckpt"
     mf.checkpoint.save(path, model, opt, step=2)
     resumed = _model()
@@ -102,7 +95,7 @@ def _checkpoint_round_trip(rank: int, world: int, root: str) -> None:
     opt_on_device = _opt(on_device, "okls", batch_same_shape=False)
     mf.checkpoint.load(path, on_device, opt_on_device)
     for m, o in ((model, opt), (resumed, opt_resumed), (on_device, opt_on_device)):
-        _train(m, o, rank, world, range(2, 4))
+        train_steps(m, o, range(2, 4), rank, world)
     _assert_identical((model, opt), (resumed, opt_resumed), "resumed with offload")
     _assert_identical((model, opt), (on_device, opt_on_device), "resumed without offload")
 
@@ -110,13 +103,13 @@ def _checkpoint_round_trip(rank: int, world: int, root: str) -> None:
 def _state_dict_round_trip(rank: int, world: int) -> None:
     model = _model()
     opt = _opt(model, "soap", offload_state="cpu")
-    _train(model, opt, rank, world, range(2))
+    train_steps(model, opt, range(2), rank, world)
     other = _model()
     other.load_state_dict(model.state_dict())
     opt_other = _opt(other, "soap", offload_state="cpu")
     opt_other.load_state_dict(copy.deepcopy(opt.state_dict()))
-    _train(model, opt, rank, world, range(2, 3))
-    _train(other, opt_other, rank, world, range(2, 3))
+    train_steps(model, opt, range(2, 3), rank, world)
+    train_steps(other, opt_other, range(2, 3), rank, world)
     _assert_identical((model, opt), (other, opt_other), "state_dict round trip")
 
 
@@ -163,7 +156,7 @@ def _nvshmem_falls_back(rank: int, world: int) -> None:
     assert isinstance(mf.get_state(auto).comm, TorchOwnerComm)  # "auto" never picks NVSHMEM
     opts = [_opt(m, "muon") for m in (model, auto)]
     for m, o in zip((model, auto), opts, strict=True):
-        _train(m, o, rank, world, range(2))
+        train_steps(m, o, range(2), rank, world)
     _assert_identical((model, opts[0]), (auto, opts[1]), "nvshmem fallback")
     with pytest.raises(ValueError, match="'nvshmem'"):
         _model(collectives="shmem")

@@ -39,7 +39,7 @@ from .checks import (
     reference_values,
 )
 from .dist_utils import device_type, run_subtests, run_world
-from .models import TinyTransformer, global_batch, lm_loss, local_batch
+from .models import TinyTransformer, global_batch, lm_loss, local_batch, train_steps
 
 FULL = StateDictOptions(full_state_dict=True)
 FULL_CPU = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -79,12 +79,6 @@ def _optimizer(model: nn.Module, name: str, lr: float = 0.02) -> torch.optim.Opt
     return mf.MatrixOptimizer(model, name, lr=lr, weight_decay=0.1, tail_lr=1e-2,
                               tail_weight_decay=0.1, **FREE_RUNNING_KWARGS.get(name, {}))
 
-
-def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: range, rank: int, world: int) -> None:
-    for step in steps:
-        lm_loss(model, local_batch(global_batch(step), rank, world)).backward()
-        opt.step()
-        opt.zero_grad()
 
 
 def _values(model: nn.Module) -> dict[str, torch.Tensor | None]:
@@ -180,7 +174,7 @@ def _set_full_model_state_dict(rank: int, world: int, mesh: DeviceMesh) -> None:
 def _dcp_round_trip(rank: int, world: int, mesh: DeviceMesh, root: str, name: str) -> None:
     """dcp.save(get_state_dict) -> dcp.load + set_state_dict restores everything exactly."""
     model, opt = (m := _wrapped(0, mesh)), _optimizer(m, name)
-    _train(model, opt, range(2), rank, world)
+    train_steps(model, opt, range(2), rank, world)
     path = str(Path(root) / name)
     msd, osd = get_state_dict(model, opt)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
@@ -196,7 +190,7 @@ def _dcp_round_trip(rank: int, world: int, mesh: DeviceMesh, root: str, name: st
     if name == "muon":  # the model part is a stock FSDP2 sharded checkpoint
         _stock_fsdp2_loads(mesh, path, _values(model))
     for m, o in ((model, opt), (resumed, resumed_opt)):
-        _train(m, o, range(2, 4), rank, world)
+        train_steps(m, o, range(2, 4), rank, world)
     assert_close_dicts(_values(resumed), _values(model), 0.0, f"{name}: 2 steps after load")
 
 
@@ -214,7 +208,7 @@ def _stock_fsdp2_loads(mesh: DeviceMesh, path: str, want: dict[str, torch.Tensor
 def _full_optimizer_state_dict(rank: int, world: int, mesh: DeviceMesh, name: str) -> None:
     """Full optimizer state equals the owners' state on every rank, and loads back in full."""
     model, opt = (m := _wrapped(0, mesh)), _optimizer(m, name)
-    _train(model, opt, range(2), rank, world)
+    train_steps(model, opt, range(2), rank, world)
     want = full_optimizer_state(model, opt)
     full = get_optimizer_state_dict(model, opt, options=FULL)
     assert set(full["state"]) == {f for f, e in want.items() if e}, set(full["state"])
@@ -233,7 +227,7 @@ def _full_optimizer_state_dict(rank: int, world: int, mesh: DeviceMesh, name: st
     _assert_states_equal(full_optimizer_state(resumed, resumed_opt), want,
                          f"{name}: optimizer state after a full load")
     for m, o in ((model, opt), (resumed, resumed_opt)):
-        _train(m, o, range(2, 4), rank, world)
+        train_steps(m, o, range(2, 4), rank, world)
     assert_close_dicts(_values(resumed), _values(model), 0.0, f"{name}: 2 steps after full load")
 
 
@@ -241,7 +235,7 @@ def _state_dtypes_kept(rank: int, world: int, mesh: DeviceMesh) -> None:
     """MatrixOptimizer state keeps its own dtypes through state_dict()/load_state_dict()
     (torch's Optimizer.load_state_dict would cast floating state to the parameter's dtype)."""
     model, opt = (m := _wrapped(0, mesh)), _optimizer(m, "shampoo")
-    _train(model, opt, range(1), rank, world)
+    train_steps(model, opt, range(1), rank, world)
     for p in opt.param_groups[0]["params"]:
         if p in opt.state:
             opt.state[p]["L"] = opt.state[p]["L"].double()

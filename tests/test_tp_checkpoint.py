@@ -41,7 +41,7 @@ from matrixfsdp.optim.tp_step import tp_step_owners
 
 from .checks import RegisteredStepReference, assert_close_dicts, reference_values
 from .dist_utils import run_subtests, run_world
-from .models import TinyTransformer, global_batch, lm_loss, local_batch
+from .models import TinyTransformer, global_batch, lm_loss, local_batch, train_steps
 
 FULL = StateDictOptions(full_state_dict=True)
 MUON = {"lr": 0.02, "weight_decay": 0.01, "tail_lr": 1e-2, "tail_weight_decay": 0.1}
@@ -113,13 +113,6 @@ def _build(shape: Shape, optimizer: str, seed: int, hidden: int = 40
         opt = torch.optim.SGD(model.parameters(), **SGD)
     return model, opt, dp.mesh.flatten().tolist().index(dist.get_rank())
 
-
-def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: range, index: int,
-           batches: int) -> None:
-    for step in steps:
-        lm_loss(model, local_batch(global_batch(step), index, batches)).backward()
-        opt.step()
-        opt.zero_grad()
 
 
 class _Reference:
@@ -236,7 +229,7 @@ def _check_layout(path: Path, shape: Shape, optimizer: str) -> None:
 def _train_and_save(rank: int, root: str, name: str) -> None:
     shape, optimizer = SAVES[name]
     model, opt, index = _build(shape, optimizer, seed=0)
-    _train(model, opt, range(SAVE_STEPS), index, shape.batches)
+    train_steps(model, opt, range(SAVE_STEPS), index, shape.batches)
     path = Path(root) / name
     assert ck.save(path, model, opt, step=SAVE_STEPS, extra={"shape": shape.name}) is None
     _check_holders(model, opt)
@@ -294,7 +287,7 @@ def _resume(root: str, name: str, shape: Shape) -> None:
     _check_holders(model, opt)
     what = f"{name} loaded at {shape.name}"
     _assert_matches_disk(model, opt, _disk(path), what)
-    _train(model, opt, range(SAVE_STEPS, SAVE_STEPS + RESUME_STEPS), index, shape.batches)
+    train_steps(model, opt, range(SAVE_STEPS, SAVE_STEPS + RESUME_STEPS), index, shape.batches)
     ref = _Reference(optimizer, set(mf.get_state(model).params))
     ref.train(range(SAVE_STEPS), saved.batches)
     ref.train(range(SAVE_STEPS, SAVE_STEPS + RESUME_STEPS), shape.batches)
