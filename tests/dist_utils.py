@@ -16,9 +16,15 @@ parametrizes a test over both, the CUDA case marked ``gpu`` (skipped without CUD
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import multiprocessing as mp
 import os
+import queue as queue_module
+import shutil
+import signal
 import socket
+import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -71,8 +77,12 @@ def _free_port() -> int:
 
 
 def _child(rank: int, world: int, port: int, device: str, fn: Callable, args: tuple,
-           queue: Any) -> None:
+           queue: Any, fault_dir: str) -> None:
     global _device
+    # A rank killed by a signal (a crash in native code) reports nothing through the queue:
+    # its Python stacks go to a file the parent attaches to the failure (see ``_deaths``).
+    fault_file = open(os.path.join(fault_dir, f"rank{rank}"), "w")  # noqa: SIM115 (lives on)
+    faulthandler.enable(file=fault_file, all_threads=True)
     try:
         torch.set_num_threads(1)
         os.environ.update(
@@ -125,30 +135,78 @@ def run_world(world: int, fn: Callable, *args: Any, device: str = "cpu",
     ctx = mp.get_context("spawn") if device == "cuda" else cpu_rank_context()
     queue = ctx.Queue()
     port = _free_port()
+    fault_dir = tempfile.mkdtemp(prefix="matrixfsdp-ranks-")
     procs = [
-        ctx.Process(target=_child, args=(r, world, port, device, fn, args, queue))
+        ctx.Process(target=_child, args=(r, world, port, device, fn, args, queue, fault_dir))
         for r in range(world)
     ]
     for p in procs:
         p.start()
-    errors: dict[int, str] = {}
+    errors: dict[int, str] | None = None
     try:
-        for _ in range(world):
-            rank, err = queue.get(timeout=timeout)
-            if err is not None:
-                errors[rank] = err
-                break  # peers are likely blocked in a collective: stop waiting
-    except Exception as exc:  # queue.Empty on timeout
-        errors[-1] = f"timed out after {timeout}s waiting for ranks ({exc!r})"
+        errors = _collect_reports(queue, procs, timeout)
     finally:
-        for p in procs:
-            p.join(timeout=5 if errors else 60)
+        failed = errors is None or bool(errors) or _any_died(procs)
+        killed = set()
+        for rank, p in enumerate(procs):
+            p.join(timeout=5 if failed else 60)
             if p.is_alive():
                 p.kill()
                 p.join()
+                killed.add(rank)
+    deaths = _deaths(procs, set(errors) | killed, fault_dir) if failed else {}
+    errors.update(deaths)
+    shutil.rmtree(fault_dir, ignore_errors=True)
     if errors:
-        text = "\n".join(f"--- rank {r} ---\n{e}" for r, e in sorted(errors.items()))
+        first = sorted(errors, key=lambda r: (r not in deaths, r))  # a crash explains the rest
+        text = "\n".join(f"--- rank {r} ---\n{errors[r]}" for r in first)
         raise AssertionError(f"distributed test failed on world size {world} ({device}):\n{text}")
+
+
+def _collect_reports(queue: Any, procs: list[Any], timeout: float) -> dict[int, str]:
+    """Every rank's report, or the first failure: an error, a rank that died without
+    reporting (noticed within a second, not at the timeout), or the timeout."""
+    deadline = time.monotonic() + timeout
+    done: set[int] = set()
+    while len(done) < len(procs):
+        try:
+            rank, err = queue.get(timeout=1.0)
+        except queue_module.Empty:
+            if _any_died(procs, done):
+                return {}  # a rank died: ``_deaths`` says which and how
+            if time.monotonic() > deadline:
+                return {-1: f"timed out after {timeout}s waiting for ranks"}
+            continue
+        if err is not None:
+            return {rank: err}  # peers are likely blocked in a collective: stop waiting
+        done.add(rank)
+    return {}
+
+
+def _any_died(procs: list[Any], skip: set[int] = frozenset()) -> bool:
+    """Whether a rank (not in ``skip``) ended with a non-zero exit code or a signal."""
+    return any(p.exitcode not in (None, 0) for r, p in enumerate(procs) if r not in skip)
+
+
+def _deaths(procs: list[Any], skip: set[int], fault_dir: str) -> dict[int, str]:
+    """The ranks (not in ``skip``: reported, or killed here) that ended abnormally without
+    reporting, with the Python stacks faulthandler wrote when a signal killed them."""
+    deaths = {}
+    for rank, p in enumerate(procs):
+        code = p.exitcode
+        if rank in skip or code in (None, 0):
+            continue
+        if code > 0:
+            deaths[rank] = f"exited with code {code} without reporting"
+            continue
+        try:
+            with open(os.path.join(fault_dir, f"rank{rank}")) as f:
+                stacks = f.read(4000)  # the crashing thread first, innermost frame on top
+        except OSError:
+            stacks = ""
+        deaths[rank] = (f"died of {signal.Signals(-code).name} without reporting; its stacks:\n"
+                        f"{stacks or '(none written)'}")
+    return deaths
 
 
 def run_subtests(rank: int, subtests: dict[str, Callable[[], None]]) -> None:
