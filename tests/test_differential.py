@@ -120,6 +120,11 @@ TP_MP_LOSS_RTOL = 5e-2
 # direction it moves in shifts every logit alike, which softmax ignores.
 UPDATE_RTOL = {"sgd": 1e-6, "adamw": 1e-6, "muon": 1e-4, "shampoo": 1e-4, "emagram": 1e-4,
                "soap": 1e-3, "okls": 3e-4}
+# Teacher forcing starts both sides from the same parameters: a parameter errs by its update's
+# error. SOAP's may reach UPDATE_RTOL["soap"] of the update (the router's null direction), over
+# PARAM_RTOL of the parameter once the update exceeds 1% of it (sweep seed 2000295: 3.7e-4 of an
+# update 3% the router's size). So SOAP's parameters may err by what its update may.
+PARAM_ERR_AS_UPDATE = frozenset({"soap"})
 SGD = {"lr": 0.05, "momentum": 0.9, "weight_decay": 0.01}
 ADAMW = {"lr": 1e-2, "weight_decay": 0.1}
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -142,8 +147,9 @@ def compare(got: Grads, want: Grads, rtol: float, what: str,
             scales: dict[str, float] | None = None) -> list[str]:
     """Every entry whose relative error exceeds ``rtol`` or whose presence differs, as text.
 
-    ``scales`` (mixed precision) measures the error against the larger of the norm of ``want``
-    and the summed norms of the parts it adds up (see ``MP_GRAD_RTOL``).
+    ``scales`` measures an entry's error against the larger of the norm of ``want`` and its
+    scale: under mixed precision the summed norms of the parts it adds up (see
+    ``MP_GRAD_RTOL``), for SOAP's parameters their update's allowance (``PARAM_ERR_AS_UPDATE``).
     """
     out = []
     if got.keys() != want.keys():
@@ -457,9 +463,12 @@ class Reference:
         with torch.no_grad():
             self.opt.step()
         ref_after = {f: p.detach().clone() for f, p in params.items()}
-        out += compare(lib_after, ref_after, PARAM_RTOL, f"step {step} param")
-        out += compare({f: lib_after[f] - start[f] for f in start},
-                       {f: ref_after[f] - start[f] for f in start},
+        ref_update = {f: ref_after[f] - start[f] for f in start}
+        allowed = UPDATE_RTOL[cfg.optimizer] / PARAM_RTOL  # see PARAM_ERR_AS_UPDATE
+        out += compare(lib_after, ref_after, PARAM_RTOL, f"step {step} param",
+                       {f: allowed * u.double().norm().item() for f, u in ref_update.items()}
+                       if cfg.optimizer in PARAM_ERR_AS_UPDATE else None)
+        out += compare({f: lib_after[f] - start[f] for f in start}, ref_update,
                        UPDATE_RTOL[cfg.optimizer], f"step {step} update")
         self.master.zero_grad(set_to_none=cfg.set_to_none)
         return out
