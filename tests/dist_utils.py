@@ -143,10 +143,11 @@ def run_world(world: int, fn: Callable, *args: Any, device: str = "cpu",
     for p in procs:
         p.start()
     errors: dict[int, str] | None = None
+    reported: set[int] = set()  # the ranks that reported success
     try:
-        errors = _collect_reports(queue, procs, timeout)
+        errors = _collect_reports(queue, procs, timeout, reported)
     finally:
-        failed = errors is None or bool(errors) or _any_died(procs)
+        failed = errors is None or bool(errors) or _any_died(procs, reported)
         killed = set()
         for rank, p in enumerate(procs):
             p.join(timeout=5 if failed else 60)
@@ -154,7 +155,7 @@ def run_world(world: int, fn: Callable, *args: Any, device: str = "cpu",
                 p.kill()
                 p.join()
                 killed.add(rank)
-    deaths = _deaths(procs, set(errors) | killed, fault_dir) if failed else {}
+    deaths = _deaths(procs, set(errors) | reported | killed, fault_dir) if failed else {}
     errors.update(deaths)
     shutil.rmtree(fault_dir, ignore_errors=True)
     if errors:
@@ -163,11 +164,12 @@ def run_world(world: int, fn: Callable, *args: Any, device: str = "cpu",
         raise AssertionError(f"distributed test failed on world size {world} ({device}):\n{text}")
 
 
-def _collect_reports(queue: Any, procs: list[Any], timeout: float) -> dict[int, str]:
-    """Every rank's report, or the first failure: an error, a rank that died without
-    reporting (noticed within a second, not at the timeout), or the timeout."""
+def _collect_reports(queue: Any, procs: list[Any], timeout: float,
+                     done: set[int]) -> dict[int, str]:
+    """Every rank's report (successes are added to ``done``), or the first failure: an error,
+    a rank that died without reporting (noticed within a second, not at the timeout), or the
+    timeout. A rank that crashes after reporting success (at exit) is not a failure here."""
     deadline = time.monotonic() + timeout
-    done: set[int] = set()
     while len(done) < len(procs):
         try:
             rank, err = queue.get(timeout=1.0)
