@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import matrixfsdp as mf
 from matrixfsdp.optim import get_matrix_optimizer
@@ -58,10 +58,34 @@ def full_values(model: nn.Module, attr: str = "data") -> dict[str, torch.Tensor 
                 buf = mp.tp.as_dtensor(buf).full_tensor()
             out[fqn] = _host(buf)
         elif isinstance(value, DTensor):
-            out[fqn] = _host(value.full_tensor())  # a 1-rank full_tensor() aliases the shard
+            out[fqn] = _host(_whole(value))
         else:
             out[fqn] = None if value is None else _host(value.detach())
     return out
+
+
+def _whole(value: DTensor) -> torch.Tensor:
+    """A DTensor's whole value. FSDP2's (Replicate, ...) Shard(0) layouts are gathered with
+    blocking c10d all-gathers: two CI runs aborted on heap corruption inside the functional
+    collectives' ``wait_tensor`` that ``full_tensor()`` runs on gloo. Other layouts (TP) use
+    ``full_tensor()``."""
+    placements = value.placements
+    if not all(isinstance(p, Replicate) or p == Shard(0) for p in placements) or \
+            sum(p == Shard(0) for p in placements) > 1:
+        return value.full_tensor()  # a 1-rank full_tensor() aliases the shard: _host copies
+    local = value.to_local().detach()
+    for dim, placement in enumerate(placements):
+        if placement != Shard(0):
+            continue
+        group = value.device_mesh.get_group(dim)
+        world, rows = dist.get_world_size(group), value.shape[0]
+        chunk = -(-rows // world)  # torch.chunk's split, as DTensor's Shard(0)
+        padded = local.new_zeros((chunk, *local.shape[1:]))
+        padded[: local.shape[0]] = local
+        gathered = local.new_empty((chunk * world, *local.shape[1:]))
+        dist.all_gather_into_tensor(gathered, padded.contiguous(), group=group)
+        local = gathered[:rows]
+    return local
 
 
 def _host(t: torch.Tensor) -> torch.Tensor:
