@@ -5,40 +5,45 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Literal
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
+from ._build import apply_fully_shard as _apply_fully_shard
+from ._build import build_expert_groups as _build_expert_groups
+from ._build import build_groups as _build_groups
+from ._build import check_tp_with_experts as _check_tp_with_experts
+from ._build import nvshmem_comm as _nvshmem_comm
+from ._build import torch_comms as _torch_comms
 from .collectives import (
-    OwnerComm,
     Phase,
-    ReplicateComm,
-    TorchOwnerComm,
-    TorchReplicateComm,
     comm_phase,
 )
 from .nonfinite import record_global_norm
 from .planner import Plan, make_plan
-from .runtime import MatrixFSDPState, MatrixGroup, MatrixParam, in_backward
+from .runtime import MatrixFSDPState, MatrixParam, in_backward
+from .runtime.experts import (
+    expert_layouts,
+    resolve_expert_mesh,
+    with_expert_rows,
+)
 from .runtime.mesh import DataParallelMesh, backend_device_type, init_hsdp_mesh, resolve_mesh
 from .runtime.selection import (
     MatrixFilter,
-    ParamSite,
     default_groups,
     param_specs,
     report_selection,
     select_params,
 )
 from .runtime.state_dict_view import install_state_dict_view
-from .runtime.tail import tail_has_unit
-from .runtime.tp import TpLayout, model_tp_mesh, tp_layout_of, tp_norm_weight
+from .runtime.tp import model_tp_mesh, tp_layout_of, tp_norm_weight
 
 __all__ = [
     "clip_grad_norm_",
@@ -62,6 +67,7 @@ def fully_shard_matrix(
     model: nn.Module,
     mesh: DeviceMesh | None = None,
     *,
+    expert_mesh: DeviceMesh | None = None,
     groups: Sequence[nn.Module] | None = None,
     matrix_filter: MatrixFilter | None = None,
     reshard_after_forward: bool = True,
@@ -92,6 +98,15 @@ def fully_shard_matrix(
             on the device type of the model's parameters (CPU parameters mean a gloo CPU mesh),
             or, for a model on ``meta``, on the default process group's device type (nccl:
             cuda, gloo: cpu).
+        expert_mesh: the data-parallel mesh of the expert parameters (torchtitan's ``efsdp``):
+            the ranks that hold the same experts, 1-D or 2-D ``(replicate, efsdp)`` under HSDP.
+            Expert parameters are 3-D stacks ``(E, ...)`` distributed before wrapping as DTensors
+            ``Shard(0)`` over a mesh dim named ``ep`` (torchtitan's ``ExpertParallel``, or
+            ``distribute_tensor(stack, mesh["ep"], [Shard(0)])``); each ep rank's local stack
+            is owned over ``expert_mesh`` while dense matrices are owned over ``mesh``, in one
+            plan, and the model's own token dispatch is untouched (see [Note: expert
+            parallelism] in ``runtime/experts.py``). Needed exactly when the model has expert
+            parameters; with ``mesh = (efsdp, ep)`` ranks of one mesh, pass ``mesh["efsdp"]``.
         groups: communication units (one gather and one reduction each); ``None`` means every
             child of each outermost ``nn.ModuleList`` (the blocks), then the root.
         matrix_filter: ``(fqn, param) -> bool`` choosing the matrices; ``None`` applies the
@@ -140,11 +155,15 @@ def fully_shard_matrix(
     _check_not_wrapped(model)
     _check_options(collectives, tail_units, replicate_presence_flags)
     dp = resolve_mesh(_default_mesh(model) if mesh is None else mesh)
+    experts = resolve_expert_mesh(model, dp, expert_mesh)
     group_modules = _resolve_groups(model, groups)
     device_type = "meta" if _all_meta(model) else dp.mesh.device_type
     sites = select_params(model, group_modules, matrix_filter, device_type)
     selection_notes = report_selection(sites, filtered=matrix_filter is not None)
-    plan = make_plan(param_specs(sites), dp.shard_size, planner).with_mesh_shape(*dp.shape)
+    ep_layouts = expert_layouts(sites, experts)
+    specs = with_expert_rows(param_specs(sites), ep_layouts)
+    plan = make_plan(specs, dp.shard_size, planner,
+                     expert_grid=experts.grid if experts else None).with_mesh_shape(*dp.shape)
     for fqn, note in plan.notes.items():
         logger.warning("matrixfsdp: %s: %s", fqn, note)
     if selection_notes:
@@ -152,11 +171,16 @@ def fully_shard_matrix(
     comm, replicate = _torch_comms(dp, collectives)
     _check_plan_agrees(plan, dp)
     tp_mesh = model_tp_mesh(model, dp.mesh)
-    tp_layouts = {s.fqn: tp_layout_of(s.fqn, s.param, dp.mesh) for s in sites if s.is_matrix}
+    _check_tp_with_experts(tp_mesh, ep_layouts)
+    tp_layouts = {s.fqn: tp_layout_of(s.fqn, s.param, dp.mesh) for s in sites
+                  if s.is_matrix and s.fqn not in ep_layouts}
     matrix_groups = _build_groups(model, group_modules, sites, plan, comm, replicate, mp_policy,
                                   tp_layouts, replicate_presence_flags=replicate_presence_flags)
+    matrix_groups += _build_expert_groups(model, group_modules, sites, plan, experts, ep_layouts,
+                                          collectives, mp_policy, dp.world_size,
+                                          replicate_presence_flags)
     if collectives == "nvshmem":
-        comm = _nvshmem_comm(comm, matrix_groups, dp.mesh)
+        comm = _nvshmem_comm(comm, [g for g in matrix_groups if g.comm is comm], dp.mesh)
     ignored = {t for g in matrix_groups for p in g.params for t in (p.sharded, p.unsharded)}
     _apply_fully_shard(model, group_modules, ignored, dp.mesh, reshard_after_forward, mp_policy,
                        tail_units)
@@ -187,20 +211,6 @@ def _check_options(collectives: str, tail_units: str, replicate_presence_flags: 
     if not isinstance(replicate_presence_flags, bool):
         raise ValueError(f"replicate_presence_flags must be True or False, got "
                          f"{replicate_presence_flags!r}")
-
-
-def _torch_comms(dp: DataParallelMesh, collectives: str) -> tuple[OwnerComm, ReplicateComm | None]:
-    """The torch.distributed owner comm for ``collectives`` (``"nvshmem"`` starts from
-    ``"auto"``, its fallback) and, under HSDP with replicas, the replicate all-reduce comm."""
-    torch_impl = "auto" if collectives == "nvshmem" else collectives
-    comm = TorchOwnerComm(
-        dp.shard_group,
-        gather_impl="broadcast" if torch_impl == "p2p" else torch_impl,
-        reduce_impl="reduce" if torch_impl == "p2p" else torch_impl,
-    )
-    replicate = (TorchReplicateComm(dp.replicate_group, counter=comm.counter)
-                 if dp.replicate_group is not None and dp.replicate_size > 1 else None)
-    return comm, replicate
 
 
 def _log_summary(plan: Plan, num_groups: int) -> None:
@@ -495,94 +505,3 @@ def _group_device(group: dist.ProcessGroup | None) -> torch.device:
     if "nccl" in str(backend) and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def _build_groups(
-    model: nn.Module,
-    group_modules: Sequence[nn.Module],
-    sites: Sequence[ParamSite],
-    plan: Plan,
-    comm: TorchOwnerComm,
-    replicate: ReplicateComm | None,
-    mp_policy: MixedPrecisionPolicy | None,
-    tp_layouts: Mapping[str, TpLayout | None],
-    *,
-    replicate_presence_flags: bool = True,
-) -> list[MatrixGroup]:
-    module_of_group = {_fqn_of(model, m): m for m in group_modules}
-    compute_dtype = mp_policy.param_dtype if mp_policy is not None else None
-    reduce_dtype = mp_policy.reduce_dtype if mp_policy is not None else None
-    by_group: dict[str, list[MatrixParam]] = {}
-    for site in sites:
-        placement = plan[site.fqn]
-        if placement.role != "matrix":  # tail by the filter, or demoted by the planner
-            continue
-        by_group.setdefault(site.group, []).append(
-            MatrixParam(
-                fqn=site.fqn, module=site.module, name=site.name, param=site.param,
-                owner_rank=int(placement.owner_rank),  # set for every matrix (Plan validates)
-                rank=comm.rank, compute_dtype=compute_dtype, tp=tp_layouts.get(site.fqn),
-            )
-        )
-    groups = []
-    for name, params in by_group.items():
-        dtypes = {p.dtype for p in params}
-        if len(dtypes) > 1:
-            raise NotImplementedError(
-                f"group {name or '<root>'!r} mixes matrix dtypes {sorted(map(str, dtypes))} "
-                f"({[p.fqn for p in params]}); cast the model to one dtype before wrapping"
-            )
-        groups.append(MatrixGroup(name, module_of_group[name], params, comm,
-                                  reduce_dtype=reduce_dtype, replicate=replicate,
-                                  replicate_presence_flags=replicate_presence_flags))
-    return groups
-
-
-def _nvshmem_comm(comm: OwnerComm, groups: Sequence[MatrixGroup], mesh: DeviceMesh) -> OwnerComm:
-    """The NVSHMEM communicator for ``groups`` (sized from their segments), else ``comm``."""
-    from .collectives.nvshmem_backend import make_nvshmem_comm
-
-    device = torch.device(mesh.device_type)
-    if device.type == "cuda":
-        device = torch.device("cuda", torch.cuda.current_device())
-    chosen = make_nvshmem_comm(comm, groups, device)
-    for group in groups:
-        group.comm = chosen
-    return chosen
-
-
-def _fqn_of(model: nn.Module, module: nn.Module) -> str:
-    for name, m in model.named_modules(remove_duplicate=False):
-        if m is module:
-            return name
-    raise ValueError(f"{type(module).__name__} is not a submodule of the model")
-
-
-def _apply_fully_shard(
-    model: nn.Module,
-    group_modules: Sequence[nn.Module],
-    ignored: set[nn.Parameter],
-    mesh: DeviceMesh,
-    reshard_after_forward: bool,
-    mp_policy: MixedPrecisionPolicy | None,
-    tail_units: str = "auto",
-) -> None:
-    """Stock FSDP2 for the tail: groups whose own tail has a unit (see [Note: tail units]),
-    innermost first, then the root; matrices ignored."""
-    policy = mp_policy or MixedPrecisionPolicy()
-    depth = {id(m): _fqn_of(model, m).count(".") for m in group_modules}
-    inner_first = sorted(
-        (m for m in group_modules if m is not model), key=lambda m: -depth[id(m)]
-    )
-    placed = {id(p) for p in ignored}
-    for module in inner_first:
-        own = [p for p in module.parameters() if id(p) not in placed]
-        if not tail_has_unit(tail_units, sum(p.numel() * p.element_size() for p in own)):
-            continue  # its tail joins the root's unit
-        fully_shard(
-            module, mesh=mesh, reshard_after_forward=reshard_after_forward,
-            mp_policy=policy, ignored_params=ignored,
-        )
-        placed.update(id(p) for p in own)
-    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy,
-                ignored_params=ignored)

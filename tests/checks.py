@@ -38,13 +38,14 @@ def full_values(model: nn.Module, attr: str = "data") -> dict[str, torch.Tensor 
     its tp group); a matrix whose owner has no gradient maps to None.
     """
     state = mf.get_state(model)
-    group = state.comm.group
+    group_of = {mp.fqn: g.comm.group for g in state.groups for mp in g.params}  # experts: efsdp
     device = test_device()
     out: dict[str, torch.Tensor | None] = {}
     for fqn, p in model.named_parameters():
         value = p.grad if attr == "grad" else p.detach()
         if fqn in state.params:
             mp = state.params[fqn]
+            group = group_of[fqn]
             src = dist.get_global_rank(group, mp.owner_rank)
             present = torch.tensor([0 if value is None else 1], device=device)
             dist.broadcast(present, src=src, group=group)
@@ -56,6 +57,8 @@ def full_values(model: nn.Module, attr: str = "data") -> dict[str, torch.Tensor 
             dist.broadcast(buf, src=src, group=group)
             if mp.tp is not None:  # this tp rank's shard: the tp ranks assemble the whole
                 buf = mp.tp.as_dtensor(buf).full_tensor()
+            if mp.ep is not None:  # this ep rank's experts: the ep ranks assemble the stack
+                buf = mp.ep.as_dtensor(buf).full_tensor()
             out[fqn] = _host(buf)
         elif isinstance(value, DTensor):
             out[fqn] = _host(_whole(value))
@@ -124,12 +127,13 @@ def full_optimizer_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[s
     """Every parameter's optimizer state, whole, keyed by FQN, as host copies (collective;
     test-only pickling)."""
     state = mf.get_state(model)
-    group = state.comm.group
+    group_of = {mp.fqn: g.comm.group for g in state.groups for mp in g.params}  # experts: efsdp
     out: dict[str, dict] = {}
     for fqn, p in model.named_parameters():
         entry = opt.state.get(p, {})
         if fqn in state.params:
             mp = state.params[fqn]
+            group = group_of[fqn]
             box = [{k: _host(v) for k, v in entry.items()} if mp.is_owner else None]
             dist.broadcast_object_list(box, src=dist.get_global_rank(group, mp.owner_rank),
                                        group=group)
@@ -137,6 +141,11 @@ def full_optimizer_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[s
                 rows: list = [None] * mp.tp.tp_size
                 dist.all_gather_object(rows, box[0], group=mp.tp.group)
                 box[0] = next((entry for entry in rows if entry), {})
+            if mp.ep is not None:  # each ep rank's experts: stack the tensors along dim 0
+                rows = [None] * mp.ep.ep_size
+                dist.all_gather_object(rows, box[0], group=mp.ep.mesh.get_group(0))
+                box[0] = {k: torch.cat([r[k] for r in rows]) if rows[0][k].ndim == 3 else rows[0][k]
+                          for k in rows[0]}
             out[fqn] = box[0]
         else:
             out[fqn] = {k: _host(v.full_tensor() if isinstance(v, DTensor) else v)

@@ -61,16 +61,23 @@ class LPTPlanner:
             return float(spec.nbytes)
         return matrix_cost(spec.matrix_shape, self.cost)  # the (out, in) orientation
 
-    def __call__(self, specs: Sequence[ParamSpec], world_size: int) -> Plan:
+    def __call__(self, specs: Sequence[ParamSpec], world_size: int,
+                 expert_grid: Sequence[int] | None = None) -> Plan:
+        """Plan ``specs`` over ``world_size`` shard ranks; ``expert_grid`` (each shard rank's
+        expert-mesh index) places expert rows too (see [Note: plan vocabulary])."""
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
-        sliced = {s.fqn for s in specs if s.role == "matrix" and self._slices(s, world_size)}
+        sliced = {s.fqn for s in specs if s.role == "matrix" and s.mesh == "dense"
+                  and self._slices(s, world_size)}
         matrices = [s for s in specs if s.role == "matrix" and s.fqn not in sliced]
         costs = [self.item_cost(s) for s in matrices]
         # Largest first; ties broken by FQN (two stable sorts beat one tuple-keyed sort).
         order = sorted(range(len(matrices)), key=lambda i: matrices[i].fqn)
         order.sort(key=costs.__getitem__, reverse=True)
-        owner_of = self._assign(matrices, costs, order, world_size)
+        if any(s.mesh == "expert" for s in matrices):
+            owner_of = self._assign_joint(matrices, costs, order, world_size, expert_grid)
+        else:
+            owner_of = self._assign(matrices, costs, order, world_size)
         placed = {s.fqn: (owner_of[i], costs[i]) for i, s in enumerate(matrices)}
         notes = {
             s.fqn: f"oversized: {s.nbytes} bytes fit on no rank under memory_cap_bytes="
@@ -87,13 +94,46 @@ class LPTPlanner:
                 rows.append(ParamPlacement.of(s, None, self.item_cost(s), role="sharded_stack"))
             else:
                 rows.append(ParamPlacement.of(s))
-        return Plan.trusted(world_size=world_size, planner=self.name, params=tuple(rows), notes=notes)
+        grid = tuple(expert_grid) if expert_grid is not None else None
+        return Plan.trusted(world_size=world_size, planner=self.name, params=tuple(rows),
+                            notes=notes, expert_grid=grid)
 
     def _slices(self, spec: ParamSpec, world_size: int) -> bool:
         if (len(spec.shape) != 3 or spec.orientation == "flatten" or world_size == 1
                 or self.stacks == "whole"):
             return False
         return self.stacks == "slices" or spec.shape[0] >= world_size
+
+    def _assign_joint(
+        self, matrices: Sequence[ParamSpec], costs: Sequence[float], order: Sequence[int],
+        world_size: int, expert_grid: Sequence[int] | None,
+    ) -> list[int | None]:
+        """LPT over dense and expert rows at once: a dense matrix goes to the least-loaded shard
+        rank, an expert stack to the expert-mesh index whose ranks' highest load is least (it
+        lands on all of them, one per ep rank). Loads are compared over the dense shard ranks."""
+        if expert_grid is None:
+            raise ValueError("expert rows need an expert_grid (expert parallelism)")
+        if self.memory_cap_bytes is not None:
+            raise NotImplementedError(
+                "LPTPlanner.memory_cap_bytes is not supported with expert parallelism yet; "
+                "leave it None"
+            )
+        load = [0.0] * world_size
+        ranks_of: dict[int, list[int]] = {}
+        for rank, index in enumerate(expert_grid):
+            ranks_of.setdefault(index, []).append(rank)
+        owner_of: list[int | None] = [0] * len(matrices)
+        for i in order:
+            if matrices[i].mesh == "expert":
+                index = min(ranks_of, key=lambda f: (max(load[r] for r in ranks_of[f]), f))
+                for rank in ranks_of[index]:
+                    load[rank] += costs[i]
+                owner_of[i] = index
+            else:
+                rank = min(range(world_size), key=lambda r: (load[r], r))
+                load[rank] += costs[i]
+                owner_of[i] = rank
+        return owner_of
 
     def _assign(
         self, matrices: Sequence[ParamSpec], costs: Sequence[float], order: Sequence[int],
@@ -135,8 +175,10 @@ class LPTPlanner:
         return owner_of
 
 
-def make_plan(specs: Sequence[ParamSpec], world_size: int, planner: object = None) -> Plan:
-    """Run ``planner`` (an ``LPTPlanner``, a cost-model name, a callable, or None for bytes)."""
+def make_plan(specs: Sequence[ParamSpec], world_size: int, planner: object = None,
+              expert_grid: Sequence[int] | None = None) -> Plan:
+    """Run ``planner`` (an ``LPTPlanner``, a cost-model name, a callable, or None for bytes);
+    ``expert_grid`` places expert rows (expert parallelism: ``LPTPlanner`` only)."""
     if planner is None:
         planner = LPTPlanner()
     elif isinstance(planner, str):
@@ -146,6 +188,13 @@ def make_plan(specs: Sequence[ParamSpec], world_size: int, planner: object = Non
             f"planner must be an LPTPlanner, a cost-model name or a callable "
             f"(specs, world_size) -> Plan; got {type(planner).__name__}"
         )
+    if expert_grid is not None:
+        if not isinstance(planner, LPTPlanner):
+            raise NotImplementedError(
+                f"planner {type(planner).__name__} cannot place expert stacks (expert "
+                "parallelism); use planner=None, a cost-model name or an LPTPlanner"
+            )
+        return planner(specs, world_size, expert_grid)
     plan = planner(specs, world_size)
     if not isinstance(plan, Plan):
         raise ValueError(f"planner returned {type(plan).__name__}, expected matrixfsdp Plan")

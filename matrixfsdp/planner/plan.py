@@ -27,6 +27,12 @@
   over the shard dim (``world_size`` = shard size) and the same plan holds in every replica
   (HSDP); a flat mesh is ``(1, world_size)``. Plans written before it existed have ``None``
   (read as flat); ``plan_hash`` covers it when set and leaves such plans' digests unchanged.
+- *expert rows* (``mesh == "expert"``): an ep rank's local expert stack (its shape is the local
+  one, ``E / ep`` experts, the same on every ep rank), owned on the expert mesh: ``owner_rank``
+  is an expert-mesh shard index, and the stack is held on every dense shard rank whose
+  ``expert_grid`` entry is that index (one per ep rank). ``expert_grid`` lists the expert-mesh
+  index of each dense shard index; dense and expert owners are balanced together over the dense
+  shard ranks (see [Note: expert parallelism] in ``runtime/experts.py``).
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ PLAN_FORMAT_VERSION = 1
 
 Role = Literal["matrix", "sharded_stack", "tail"]
 Orientation = Literal["out_in", "in_out", "flatten"]
+MeshKind = Literal["dense", "expert"]
 ORIENTATIONS: tuple[str, ...] = ("out_in", "in_out", "flatten")
 DType = Literal[
     "float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8",
@@ -94,6 +101,7 @@ class ParamSpec(NamedTuple):
     role: Role = "tail"
     group: str = ""
     orientation: Orientation = "out_in"
+    mesh: MeshKind = "dense"  # "expert": an ep rank's local expert stack (shape is local)
 
     @property
     def numel(self) -> int:
@@ -122,14 +130,15 @@ class ParamPlacement(NamedTuple):
     group: str = ""
     owner_rank: int | None = None
     cost: float = 0.0
-    orientation: Orientation = "out_in"  # last: rows of older plans (7 items) still validate
+    orientation: Orientation = "out_in"  # trailing: rows of older plans (7 items) still validate
+    mesh: MeshKind = "dense"  # "expert": owner_rank is on the expert mesh (see the Note)
 
     @classmethod
     def of(cls, spec: ParamSpec, owner_rank: int | None = None, cost: float = 0.0,
            role: Role | None = None) -> ParamPlacement:
         """The row of ``spec`` (optionally with another role) placed on ``owner_rank``."""
         return cls(spec.fqn, spec.shape, spec.dtype, role or spec.role, spec.group, owner_rank,
-                   cost, spec.orientation)
+                   cost, spec.orientation, spec.mesh)
 
     @property
     def numel(self) -> int:
@@ -175,6 +184,8 @@ class Plan(BaseModel):
     # fqn -> why its role differs from the default rule (a matrix_filter, a planner demotion)
     notes: dict[str, str] = Field(default_factory=dict)
     mesh_shape: tuple[int, int] | None = None  # (replicate, shard); None: an older, flat plan
+    # expert-mesh shard index of each dense shard index; None: no expert parallelism
+    expert_grid: tuple[int, ...] | None = None
 
     @classmethod
     def trusted(cls, **fields: object) -> Plan:
@@ -194,15 +205,31 @@ class Plan(BaseModel):
                     f"mesh_shape {tuple(self.mesh_shape)} must be (replicate >= 1, shard = "
                     f"world_size = {self.world_size}): owners are planned over the shard dim"
                 )
+        experts = self.expert_size
+        if self.expert_grid is not None and (
+                len(self.expert_grid) != self.world_size
+                or sorted(set(self.expert_grid)) != list(range(experts))
+                or self.world_size % experts
+                or any(self.expert_grid.count(f) != self.world_size // experts
+                       for f in range(experts))):
+            raise ValueError(
+                f"expert_grid {tuple(self.expert_grid)} must give each of the {self.world_size} "
+                "shard ranks an expert-mesh index, every index on equally many ranks"
+            )
         seen: set[str] = set()
         for p in self.params:
+            if p.mesh == "expert" and (self.expert_grid is None or p.role != "matrix"):
+                raise ValueError(
+                    f"expert parameter {p.fqn!r} needs a plan with expert_grid and role 'matrix'"
+                )
+            limit = experts if p.mesh == "expert" else self.world_size
             if p.fqn in seen:
                 raise ValueError(f"plan lists parameter {p.fqn!r} twice")
             seen.add(p.fqn)
-            if p.role == "matrix" and (p.owner_rank is None or not 0 <= p.owner_rank < self.world_size):
+            if p.role == "matrix" and (p.owner_rank is None or not 0 <= p.owner_rank < limit):
                 raise ValueError(
                     f"matrix {p.fqn!r} has owner_rank={p.owner_rank}; it must be in "
-                    f"[0, {self.world_size}) for world_size={self.world_size}"
+                    f"[0, {limit}) for world_size={self.world_size} ({p.mesh} mesh)"
                 )
             if p.role != "matrix" and p.owner_rank is not None:
                 raise ValueError(f"{p.role} parameter {p.fqn!r} must have owner_rank=None")
@@ -220,6 +247,18 @@ class Plan(BaseModel):
             if placement.fqn == fqn:
                 return placement
         raise KeyError(fqn)
+
+    @property
+    def expert_size(self) -> int:
+        """Shard ranks of the expert mesh (1 without expert parallelism)."""
+        return max(self.expert_grid) + 1 if self.expert_grid else 1
+
+    def holders(self, placement: ParamPlacement) -> tuple[int, ...]:
+        """Dense shard ranks that hold ``placement`` (a matrix) whole: its owner, or for an
+        expert row one rank per ep rank (see [Note: plan vocabulary])."""
+        if placement.mesh != "expert":
+            return (int(placement.owner_rank),)
+        return tuple(r for r, f in enumerate(self.expert_grid or ()) if f == placement.owner_rank)
 
     @property
     def replicate_size(self) -> int:
@@ -289,9 +328,10 @@ class Plan(BaseModel):
         while it is ``None``.
         """
         data = self.model_dump(mode="json")
-        data["params"] = [row[:-1] if row[-1] == "out_in" else row for row in data["params"]]
-        if data.get("mesh_shape") is None:
-            data.pop("mesh_shape", None)
+        data["params"] = [_trim_defaults(row) for row in data["params"]]
+        for key in ("mesh_shape", "expert_grid"):
+            if data.get(key) is None:
+                data.pop(key, None)
         canonical = json.dumps(data, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()
 
@@ -301,10 +341,10 @@ class Plan(BaseModel):
         nbytes = [0] * self.world_size
         costs = [0.0] * self.world_size
         for p in self.matrices:
-            rank = int(p.owner_rank)  # set for every matrix (validated above)
-            counts[rank] += 1
-            nbytes[rank] += p.nbytes
-            costs[rank] += p.cost
+            for rank in self.holders(p):  # owner_rank is set for every matrix (validated)
+                counts[rank] += 1
+                nbytes[rank] += p.nbytes
+                costs[rank] += p.cost
         for p in self.sharded_stacks:  # FSDP2 chunks dim 0: ceil(E / N) whole experts per rank
             experts = p.shape[0]
             for rank, k in enumerate(stack_slices(experts, self.world_size)):
@@ -336,6 +376,19 @@ class Plan(BaseModel):
         # Pigeonhole: of the n + 1 largest items two share a rank.
         pair = items[n - 1] + items[n] if len(items) > n else 0.0
         return max(items[0], mean, pair) / mean if mean > 0 else 1.0
+
+
+# Row fields added after plans were first written, with their defaults, in row order.
+_ROW_DEFAULTS = ("out_in", "dense")
+_ROW_BASE = 7  # fields of the first rows
+
+
+def _trim_defaults(row: list) -> list:
+    """A row without the trailing added fields that hold their defaults (see ``plan_hash``)."""
+    row = list(row)
+    while len(row) > _ROW_BASE and row[-1] == _ROW_DEFAULTS[len(row) - _ROW_BASE - 1]:
+        row.pop()
+    return row
 
 
 def stack_slices(experts: int, world_size: int) -> list[int]:

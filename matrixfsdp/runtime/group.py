@@ -76,8 +76,12 @@ class MatrixGroup:
         replicate: ReplicateComm | None = None,
         streams: RuntimeStreams | None = None,
         replicate_presence_flags: bool = True,
+        data_parallel_world: int | None = None,
     ) -> None:
         self.name = name
+        # Ranks whose mean the gradient is (None: this group's ranks; expert groups: the whole
+        # data-parallel world, see [Note: expert parallelism] in ``runtime/experts.py``).
+        self.data_parallel_world = data_parallel_world
         self.module = module
         self.params = list(params)
         self.comm = comm
@@ -263,6 +267,8 @@ class MatrixGroup:
     @property
     def grad_divisor(self) -> int:
         """Ranks whose gradients are averaged: the shard group times the replicas (HSDP)."""
+        if self.data_parallel_world is not None:
+            return self.data_parallel_world
         return self.comm.world_size * (self.replicate.world_size if self.replicate else 1)
 
     def finish_reduce(

@@ -27,6 +27,8 @@
   the module holds ``tp.as_dtensor(unsharded)``, a DTensor view whose autograd leaf is
   ``unsharded``, created anew (grad enabled) each time it is swapped in so that it follows
   ``requires_grad`` and a recomputation's graph reaches the leaf.
+- An expert stack (see [Note: expert parallelism] in ``runtime/experts.py``) is the same pair
+  over the ep rank's local experts, swapped in as ``ep.as_dtensor(unsharded)``.
 - From ``to_empty`` until the first forward or ``quiesce()``, an owner's ``sharded`` parameter is
   in its *init window*: its class is ``_InitParam`` and ``init_rng`` holds its init stream (see
   [Note: matrix init RNG] in ``runtime/init_rng.py``).
@@ -40,6 +42,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from .experts import ExpertLayout
 from .init_rng import MatrixInitRng, end_init_window
 from .tp import TpLayout
 
@@ -60,11 +63,13 @@ class MatrixParam:
         rank: int,
         compute_dtype: torch.dtype | None = None,
         tp: TpLayout | None = None,
+        ep: ExpertLayout | None = None,
     ) -> None:
         self.fqn = fqn
         self.tp = tp
-        self._view: torch.Tensor | None = None  # a TP matrix's DTensor view, while swapped in
-        if tp is not None:  # own the TP shard as the matrix (see the Note)
+        self.ep = ep
+        self._view: torch.Tensor | None = None  # a TP or EP DTensor view, while swapped in
+        if tp is not None or ep is not None:  # own the local shard as the matrix (see the Note)
             param = nn.Parameter(param.to_local().detach(), requires_grad=param.requires_grad)
         self.module = module
         self.name = name
@@ -183,11 +188,12 @@ class MatrixParam:
 
     # -- module view ------------------------------------------------------------------------------
     def use_unsharded(self) -> None:
-        if self.tp is None:
+        layout = self.tp or self.ep
+        if layout is None:
             self.module._parameters[self.name] = self.unsharded
             return
         with torch.enable_grad():  # the view must reach the leaf even if swapped in under no_grad
-            self._view = self.tp.as_dtensor(self.unsharded)
+            self._view = layout.as_dtensor(self.unsharded)
         self.module._parameters[self.name] = self._view  # type: ignore[assignment]
 
     def use_sharded(self) -> None:

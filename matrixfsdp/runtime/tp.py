@@ -28,6 +28,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from .experts import is_expert_param
+
 __all__ = ["TpLayout", "model_tp_mesh", "tp_layout_of", "tp_norm_weight"]
 
 
@@ -143,7 +145,7 @@ def model_tp_mesh(model: nn.Module, dp_mesh: DeviceMesh) -> DeviceMesh | None:
     """The one tp mesh of a model that ``parallelize_module`` has touched, else ``None``."""
     meshes: dict[int, tuple[str, DeviceMesh]] = {}
     for fqn, param in model.named_parameters():
-        if isinstance(param, DTensor):
+        if isinstance(param, DTensor) and not is_expert_param(param):  # experts: runtime/experts
             meshes.setdefault(id(param.device_mesh), (fqn, param.device_mesh))
     if not meshes:
         return None
