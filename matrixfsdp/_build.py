@@ -12,11 +12,12 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 from .collectives import OwnerComm, ReplicateComm, TorchOwnerComm, TorchReplicateComm
 from .planner import Plan
 from .runtime import MatrixGroup, MatrixParam
-from .runtime.experts import ExpertLayout, ExpertMesh
+from .runtime.experts import ExpertLayout, ExpertMesh, is_expert_param
 from .runtime.mesh import DataParallelMesh
 from .runtime.selection import ParamSite
 from .runtime.tail import tail_has_unit
@@ -118,13 +119,17 @@ def build_expert_groups(model: nn.Module, group_modules: Sequence[nn.Module],
                          ep_layouts=ep_layouts, data_parallel_world=data_parallel_world)
 
 
-def check_tp_with_experts(tp_mesh: DeviceMesh | None, ep_layouts: Mapping[str, ExpertLayout]) -> None:
-    if tp_mesh is not None and ep_layouts:
-        raise NotImplementedError(
-            f"the model has expert stacks on an ep mesh ({next(iter(ep_layouts))!r}) and TP "
-            f"matrices on {tp_mesh}; tensor and expert parallelism together are not supported "
-            "yet: use one of them"
-        )
+def check_tp_with_experts(model: nn.Module, ep_layouts: Mapping[str, ExpertLayout]) -> None:
+    """Expert parallelism with TP-parallelized parameters is refused (before TP's own checks)."""
+    if not ep_layouts:
+        return
+    for fqn, param in model.named_parameters():
+        if isinstance(param, DTensor) and not is_expert_param(param):
+            raise NotImplementedError(
+                f"the model has expert stacks on an ep mesh ({next(iter(ep_layouts))!r}) and "
+                f"parameter {fqn!r} (shape {tuple(param.shape)}) on {param.device_mesh}; tensor "
+                "and expert parallelism together are not supported yet: use one of them"
+            )
 
 
 def nvshmem_comm(comm: OwnerComm, groups: Sequence[MatrixGroup], mesh: DeviceMesh) -> OwnerComm:

@@ -170,8 +170,8 @@ def fully_shard_matrix(
         plan = plan.model_copy(update={"notes": {**selection_notes, **plan.notes}})
     comm, replicate = _torch_comms(dp, collectives)
     _check_plan_agrees(plan, dp)
+    _check_tp_with_experts(model, ep_layouts)
     tp_mesh = model_tp_mesh(model, dp.mesh)
-    _check_tp_with_experts(tp_mesh, ep_layouts)
     tp_layouts = {s.fqn: tp_layout_of(s.fqn, s.param, dp.mesh) for s in sites
                   if s.is_matrix and s.fqn not in ep_layouts}
     matrix_groups = _build_groups(model, group_modules, sites, plan, comm, replicate, mp_policy,

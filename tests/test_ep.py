@@ -21,10 +21,20 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import matrixfsdp as mf
 
-from .checks import assert_close_dicts, full_values, reference_values
+from .checks import (
+    FREE_RUNNING_KWARGS,
+    assert_close_dicts,
+    count_collectives,
+    full_optimizer_state,
+    full_values,
+    reference_values,
+)
 from .dist_utils import device_type, run_subtests, run_world
 from .ep_models import EXPERT_FQNS, TinyEPMoE, distribute_experts
 from .models import global_batch, lm_loss, local_batch
+from .test_optim_dist import LR, ReferenceStepper
+
+OPTIMIZERS = ("muon", "shampoo", "soap", "okls", "emagram", "adamw")
 
 LAYOUTS = {"efsdp2_ep2": (1, 2, 2), "efsdp1_ep4": (1, 1, 4), "hsdp2_efsdp1_ep2": (2, 1, 2)}
 
@@ -78,10 +88,134 @@ def _sgd(rank: int, world: int, layout: str) -> None:
     assert_close_dicts(full_values(model), reference_values(ref), 1e-5, "param")
 
 
-def _world(rank: int, world: int, layout: str) -> None:
-    run_subtests(rank, {"sgd": functools.partial(_sgd, rank, world, layout)})
+def _reference(ref: nn.Module, model: nn.Module, name: str, kwargs: dict, library: dict):
+    """The float64 per-matrix formulas (per expert for stacks) and AdamW for the tail; for
+    ``"adamw"``, torch's AdamW everywhere."""
+    if name == "adamw":
+        return torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    matrix_fqns = {p.fqn for p in mf.get_plan(model).matrices}
+    return ReferenceStepper(ref, matrix_fqns, name, LR[name], kwargs, library_state=library.copy)
+
+
+def _optimizer(rank: int, world: int, layout: str, name: str) -> None:
+    """3 steps of a matrix optimizer == one process; the step moves no byte and sends nothing."""
+    ref, model = ep_pair(layout)
+    if name == "soap":
+        ref, model = ref.double(), model.double()
+    state = mf.get_state(model)
+    kwargs = FREE_RUNNING_KWARGS.get(name, {})
+    lr = 1e-2 if name == "adamw" else LR[name]
+    opt = mf.MatrixOptimizer(model, optimizer=name, lr=lr, weight_decay=0.1, tail_lr=1e-2,
+                             tail_weight_decay=0.1, **kwargs)
+    library: dict = {}
+    stepper = _reference(ref, model, name, kwargs, library)
+    for step in range(3):
+        tokens = global_batch(step)
+        _reference_backward(ref, tokens, world)
+        lm_loss(model, local_batch(tokens, rank, world)).backward()
+        for group in state.groups:
+            group.comm.counter.reset()
+        assert count_collectives(opt.step) == 0, "the optimizer step communicated"
+        assert all(g.comm.counter.snapshot()["optimizer"]["calls"] == 0 for g in state.groups)
+        _check_no_foreign_bytes(model)
+        if name == "soap" and step == 0:
+            library.update(full_optimizer_state(model, opt))
+        stepper.step()
+        stepper.zero_grad()
+        opt.zero_grad()
+    assert_close_dicts(full_values(model), reference_values(ref), 1e-5, f"{name} after 3 steps")
+
+
+def _check_no_foreign_bytes(model: nn.Module) -> None:
+    """Outside forward/backward a rank holds bytes of the expert stacks it owns only."""
+    for mp in mf.get_state(model).params.values():
+        if not mp.is_owner:
+            assert mp.resident_bytes() == 0, f"{mp.fqn}: {mp.resident_bytes()} bytes off-owner"
+            assert mp.sharded.numel() == 0
+
+
+def _world(rank: int, world: int, layout: str, optimizers: tuple[str, ...]) -> None:
+    subtests = {"sgd": functools.partial(_sgd, rank, world, layout)}
+    for name in optimizers:
+        subtests[name] = functools.partial(_optimizer, rank, world, layout, name)
+    run_subtests(rank, subtests)
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_ep_training(layout: str) -> None:
-    run_world(4, _world, layout)
+    """SGD and the six matrix optimizers at every layout (HSDP: Muon and SOAP, the
+    replicated path's math is the same for the others)."""
+    optimizers = OPTIMIZERS if not layout.startswith("hsdp") else ("muon", "soap")
+    run_world(4, _world, layout, optimizers)
+
+
+def _expect(error: type[Exception], match: str, fn) -> None:
+    with pytest.raises(error, match=match):
+        fn()
+
+
+def _errors(rank: int, world: int) -> None:
+    """Each wrong layout raises the same error on every rank, naming the FQN and the fix."""
+    dense, experts, ep = ep_meshes("efsdp2_ep2")
+    torch.manual_seed(0)
+
+    def distributed(**kwargs):
+        return distribute_experts(TinyEPMoE(), ep)
+
+    cases = {
+        "no expert_mesh": (ValueError, r"layers\.0\.experts\.w_in.*no expert_mesh was given.*efsdp",
+                           lambda: mf.fully_shard_matrix(distributed(), dense)),
+        "expert_mesh without experts": (ValueError, "no parameter of the model is a DTensor",
+                                        lambda: mf.fully_shard_matrix(TinyEPMoE(), dense,
+                                                                      expert_mesh=experts)),
+        "expert_mesh is the dense mesh": (ValueError, r"does not tile the data-parallel mesh",
+                                          lambda: mf.fully_shard_matrix(distributed(), dense,
+                                                                        expert_mesh=dense)),
+        "expert_mesh is the ep mesh": (ValueError, r"expert_mesh: mesh .* has model-parallel",
+                                       lambda: mf.fully_shard_matrix(distributed(), dense,
+                                                                     expert_mesh=ep)),
+        "expert_mesh over the ep ranks": (ValueError, r"do not tile.*coordinates .* repeat",
+                                          lambda: mf.fully_shard_matrix(
+                                              distributed(), dense,
+                                              expert_mesh=_inner_dim_mesh())),
+        "tp and ep": (NotImplementedError, "tensor and expert parallelism together",
+                      lambda: _tp_and_ep(dense, experts, ep)),
+        "expert left in the tail": (NotImplementedError, r"layers\.\d\.experts\.w_\w+.*must be matrices",
+                                    lambda: mf.fully_shard_matrix(
+                                        distributed(), dense, expert_mesh=experts,
+                                        matrix_filter=lambda fqn, p: p.ndim == 2
+                                        and "head" not in fqn and "embed" not in fqn)),
+    }
+    subtests = {name: functools.partial(_expect, *case) for name, case in cases.items()}
+    subtests["Shard(1) over ep"] = functools.partial(_wrong_placement, dense, experts, ep)
+    run_subtests(rank, subtests)
+
+
+def _inner_dim_mesh() -> DeviceMesh:
+    """A 1-D data-parallel mesh over the same ranks as ep (the wrong dim for expert_mesh)."""
+    return init_device_mesh(device_type(), (2, 2), mesh_dim_names=("outer", "inner"))["inner"]
+
+
+def _tp_and_ep(dense: DeviceMesh, experts: DeviceMesh, ep: DeviceMesh) -> None:
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    tp = init_device_mesh(device_type(), (2, 2), mesh_dim_names=("dp", "tp"))["tp"]
+    model = distribute_experts(TinyEPMoE(), ep)
+    parallelize_module(model.layers[0], tp, {"gate": ColwiseParallel()})
+    mf.fully_shard_matrix(model, dense, expert_mesh=experts)
+
+
+def _wrong_placement(dense: DeviceMesh, experts: DeviceMesh, ep: DeviceMesh) -> None:
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    model = TinyEPMoE()
+    distribute_experts(model, ep)
+    w = model.layers[1].experts.w_out
+    full = w.detach().full_tensor()
+    model.layers[1].experts.w_out = nn.Parameter(distribute_tensor(full, ep, [Shard(1)]))
+    _expect(ValueError, r"layers\.1\.experts\.w_out.*must be a 3-D stack .* placed Shard\(0\)",
+            lambda: mf.fully_shard_matrix(model, dense, expert_mesh=experts))
+
+
+def test_ep_errors() -> None:
+    run_world(4, _errors)

@@ -189,7 +189,10 @@ def resolve_expert_mesh(model: nn.Module, dense: DataParallelMesh,
             f"expert parameter {fqn!r} is on a {ep_mesh.device_type} ep mesh but the data-parallel "
             f"mesh is {dense.mesh.device_type}; build both meshes on one device type"
         )
-    edp = resolve_mesh(expert_mesh)
+    try:
+        edp = resolve_mesh(expert_mesh)
+    except ValueError as exc:
+        raise ValueError(f"expert_mesh: {exc}") from None
     if edp.replicate_size != dense.replicate_size or edp.shard_size * ep_mesh.size() != dense.shard_size:
         raise ValueError(
             f"expert_mesh of shape {edp.shape} (replicate, efsdp) with ep size {ep_mesh.size()} "
