@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.utils.checkpoint import checkpoint
 
 from .models import VOCAB
 
@@ -61,7 +62,8 @@ class MoEBlock(nn.Module):
         counts = torch.bincount(expert_of, minlength=self.num_experts)
         out = self._dispatch(routed, counts) if self.ep_group is not None \
             else self.experts(routed, counts.tolist())
-        combined = torch.zeros_like(h).index_add(0, token_of[order], out * weights[order])
+        weighted = (out * weights[order]).to(h.dtype)  # mixed precision: experts may compute in bf16
+        combined = torch.zeros_like(h).index_add(0, token_of[order], weighted)
         return x + combined.reshape(b, t, d)
 
     def _dispatch(self, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -89,16 +91,20 @@ class MoEBlock(nn.Module):
 
 
 class TinyEPMoE(nn.Module):
-    def __init__(self, layers: int = 2, dim: int = 16) -> None:
+    """``reentrant``: ``None`` computes each block plainly, ``True``/``False`` checkpoints it."""
+
+    def __init__(self, layers: int = 2, dim: int = 16, reentrant: bool | None = None) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, dim)
         self.layers = nn.ModuleList(MoEBlock(dim) for _ in range(layers))
         self.head = nn.Linear(dim, VOCAB, bias=False)
+        self.reentrant = reentrant
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens)
         for layer in self.layers:
-            x = layer(x)
+            x = layer(x) if self.reentrant is None else checkpoint(
+                layer, x, use_reentrant=self.reentrant)
         return self.head(x)
 
 
