@@ -144,7 +144,7 @@ def full_optimizer_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[s
             if mp.ep is not None:  # each ep rank's experts: stack the tensors along dim 0
                 rows = [None] * mp.ep.ep_size
                 dist.all_gather_object(rows, box[0], group=mp.ep.mesh.get_group(0))
-                box[0] = {k: torch.cat([r[k] for r in rows]) if rows[0][k].ndim == 3 else rows[0][k]
+                box[0] = {k: torch.cat([r[k] for r in rows]) if rows[0][k].ndim else rows[0][k]
                           for k in rows[0]}
             out[fqn] = box[0]
         else:

@@ -14,7 +14,9 @@
   State keys must not contain ``.`` so ``<fqn>`` and ``<key>`` split unambiguously.
 - ``rng.cpu.<rank>`` / ``rng.cuda.<rank>``: each rank's generator states under its own key.
 - TP matrices are stored as global matrices in tp chunks, and their ``MatrixOptimizer`` state
-  whole by the step owner: [Note: TP matrices in checkpoints] in ``_tp.py``.
+  whole by the step owner: [Note: TP matrices in checkpoints] in ``_tp.py``. Expert stacks and
+  their state are stored as global stacks in ep chunks: [Note: experts in checkpoints] in
+  ``_experts.py``.
 On load every rank requests exactly the keys it needs: a new owner (in every replica) asks for
 whole matrices and their state, every rank asks for its tail shards (DCP reshards them, also
 between 1-D and 2-D meshes), and nothing else.
@@ -35,7 +37,7 @@ from torch.distributed.tensor import DTensor, Shard
 from ..runtime import MatrixFSDPState
 from ..runtime.matrix_param import MatrixParam
 from ..runtime.state_dict_view import owner_state_dict
-from . import _tp
+from . import _experts, _tp
 from .layout import (
     GroupLayout,
     OptimizerLayout,
@@ -95,9 +97,8 @@ def model_entries(model: nn.Module, runtime: MatrixFSDPState) -> list[TensorEntr
     for key, value in owner_state_dict(model, runtime).items():
         mp = runtime.params.get(key)
         if mp is not None:
-            shape = tuple(mp.shape) if mp.tp is None else mp.tp.global_shape
             tp = None if mp.tp is None else _tp.tp_entry(mp.tp)
-            entries.append(TensorEntry(fqn=key, shape=shape, dtype=dtype_name(mp.dtype),
+            entries.append(TensorEntry(fqn=key, shape=mp.global_shape, dtype=dtype_name(mp.dtype),
                                        role="matrix", owner_rank=mp.owner_rank, tp=tp))
             continue
         if not isinstance(value, torch.Tensor):
@@ -123,7 +124,7 @@ def model_state(model: nn.Module, runtime: MatrixFSDPState) -> dict[str, torch.T
                 f"owner of matrix {key!r} holds shape {tuple(value.shape)}, expected "
                 f"{tuple(mp.shape)}; save outside forward/backward"
             )
-        out[key] = value if mp is None or mp.tp is None else _tp.tp_chunk(mp.tp, value)
+        out[key] = value if mp is None else _experts.chunk(mp, value)
     return out
 
 
@@ -195,6 +196,8 @@ def _state_entry(mp: MatrixParam | None, fqn: str, entry: dict[str, Any], whole:
                  ) -> dict[str, torch.Tensor]:
     """One parameter's state as DCP stores it: a torch optimizer's TP shards as chunks."""
     values = {k: _check_state_value(fqn, k, v) for k, v in entry.items()}
+    if mp is not None and mp.ep is not None:
+        return {k: _experts.state_chunk(mp, k, v) for k, v in values.items()}
     if mp is None or mp.tp is None or whole:
         return values
     return {k: _tp.shard_state_value(mp, k, v) for k, v in values.items()}
@@ -227,7 +230,7 @@ def model_targets(
         mp = runtime.params.get(key)
         if mp is not None and not mp.is_owner:
             continue
-        targets[prefix + key] = value if mp is None or mp.tp is None else _tp.tp_chunk(mp.tp, value)
+        targets[prefix + key] = value if mp is None else _experts.chunk(mp, value)
     return targets
 
 
@@ -304,7 +307,9 @@ def optimizer_targets(
                 md = _tensor_md(metadata, key)
                 if md is None:
                     continue
-                if mp is not None and mp.tp is not None and not whole and len(md.size):
+                if mp is not None and mp.ep is not None and len(md.size):
+                    targets[key] = _experts.state_target(mp, name, md)
+                elif mp is not None and mp.tp is not None and not whole and len(md.size):
                     targets[key] = _tp.shard_state_target(mp, name, md)
                 else:
                     targets[key] = _state_target(p, md, on_device_scalars)

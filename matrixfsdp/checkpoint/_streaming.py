@@ -123,6 +123,10 @@ def plan_reads(
                 reads.append(TensorRead(key, source_key, local_index(target, key), local))
         elif mp is not None and mp.tp is not None:
             reads.append(TensorRead(key, source_key, _tp_index(mp.tp), target))
+        elif mp is not None and mp.ep is not None:  # this ep rank's experts of the stack
+            experts = mp.ep.experts_on(mp.ep.ep_rank)
+            index = (slice(experts.start, experts.stop), *(slice(0, n) for n in mp.shape[1:]))
+            reads.append(TensorRead(key, source_key, index, target))
         else:
             reads.append(TensorRead(key, source_key, None, target))
     return reads

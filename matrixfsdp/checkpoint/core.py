@@ -26,7 +26,14 @@ from . import _statedict as sd
 from ._compat import check_model, check_optimizer
 from ._dist import agree, dcp_errors, group_rank, group_size, on_coordinator
 from .errors import CorruptCheckpointError
-from .layout import FORMAT_VERSION, LAYOUT_FILE, TP_FORMAT_VERSION, CheckpointLayout, parse_layout
+from .layout import (
+    EP_FORMAT_VERSION,
+    FORMAT_VERSION,
+    LAYOUT_FILE,
+    TP_FORMAT_VERSION,
+    CheckpointLayout,
+    parse_layout,
+)
 from .storage import (
     SafeFileSystemReader,
     check_data_files,
@@ -102,13 +109,16 @@ def _build(
         state["optim"] = {"state": optim_state}
     plan = runtime.plan
     tp_size = runtime.tp_mesh.size() if runtime.tp_mesh is not None else None
+    ep_size = next((mp.ep.ep_size for mp in runtime.params.values() if mp.ep is not None), None)
+    version = (EP_FORMAT_VERSION if ep_size is not None else
+               TP_FORMAT_VERSION if tp_size is not None else FORMAT_VERSION)
     layout = CheckpointLayout(
-        format_version=FORMAT_VERSION if tp_size is None else TP_FORMAT_VERSION,
+        format_version=version,
         matrixfsdp_version=__version__, torch_version=torch.__version__, step=step,
         extra=extra, world_size=plan.world_size, mesh_shape=runtime.mesh_shape, plan=plan,
         plan_hash=plan.plan_hash(),
         model=tuple(sd.model_entries(model, runtime)), optimizer=optimizer_layout,
-        tp_size=tp_size,
+        tp_size=tp_size, ep_size=ep_size,
     )
     return state, layout
 

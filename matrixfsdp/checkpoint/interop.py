@@ -109,8 +109,7 @@ def _model_entries(model: nn.Module, runtime: MatrixFSDPState) -> dict[str, _Wan
     for key, value in owner_state_dict(model, runtime).items():
         mp = runtime.params.get(key)
         if mp is not None:
-            shape = tuple(mp.shape) if mp.tp is None else mp.tp.global_shape
-            out[key] = _Wanted(shape, mp.dtype)
+            out[key] = _Wanted(mp.global_shape, mp.dtype)
         else:
             out[key] = _Wanted(tuple(value.shape), value.dtype)
     return out

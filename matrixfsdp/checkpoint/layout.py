@@ -19,6 +19,9 @@
   model had TP, and such a layout has ``format_version`` 2 (``TP_FORMAT_VERSION``), so a release
   that cannot read TP layouts says so instead of half-understanding one; a layout without TP
   stays at version 1, byte for byte what earlier releases wrote.
+- Expert stacks (see [Note: experts in checkpoints] in ``_experts.py``): the entry's ``shape`` is
+  the global stack's, ``ep_size`` the saving ep mesh's size, and the plan records the expert
+  grid. Such a layout has ``format_version`` 3 (``EP_FORMAT_VERSION``).
 - ``format_version`` is checked before anything else: a newer layout raises
   ``UnsupportedFormatError`` instead of being half-understood.
 """
@@ -48,6 +51,7 @@ from .errors import CorruptCheckpointError, UnsupportedFormatError
 
 __all__ = [
     "COMPLETE_FILE",
+    "EP_FORMAT_VERSION",
     "FORMAT_VERSION",
     "LAYOUT_FILE",
     "READABLE_FORMAT_VERSIONS",
@@ -69,7 +73,8 @@ logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 TP_FORMAT_VERSION = 2  # a layout recording TP matrices (see the Note)
-READABLE_FORMAT_VERSIONS = (FORMAT_VERSION, TP_FORMAT_VERSION)
+EP_FORMAT_VERSION = 3  # a layout recording expert stacks on an ep mesh (see the Note)
+READABLE_FORMAT_VERSIONS = (FORMAT_VERSION, TP_FORMAT_VERSION, EP_FORMAT_VERSION)
 LAYOUT_FILE = "matrixfsdp_layout.json"
 COMPLETE_FILE = "COMPLETE"
 
@@ -165,18 +170,23 @@ class CheckpointLayout(BaseModel):
     model: tuple[TensorEntry, ...]
     optimizer: OptimizerLayout | None = None
     tp_size: int | None = Field(default=None, ge=1)  # the saving tp mesh; None: no TP
+    ep_size: int | None = Field(default=None, ge=1)  # the saving ep mesh; None: no EP
 
     @model_serializer(mode="wrap")
     def _omit_tp(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return _drop_none(handler(self), ("tp_size",))
+        return _drop_none(handler(self), ("tp_size", "ep_size"))
 
     @model_validator(mode="after")
     def _tp_consistent(self) -> CheckpointLayout:
-        has_tp = self.tp_size is not None
-        if self.format_version != (TP_FORMAT_VERSION if has_tp else FORMAT_VERSION):
-            raise ValueError(f"format_version {self.format_version} with tp_size={self.tp_size}: "
-                             f"a layout with TP has format_version {TP_FORMAT_VERSION}, one "
-                             f"without has {FORMAT_VERSION}")
+        has_tp, has_ep = self.tp_size is not None, self.ep_size is not None
+        want = EP_FORMAT_VERSION if has_ep else TP_FORMAT_VERSION if has_tp else FORMAT_VERSION
+        if self.format_version != want or (has_tp and has_ep):
+            raise ValueError(f"format_version {self.format_version} with tp_size={self.tp_size}, "
+                             f"ep_size={self.ep_size}: a layout with TP has format_version "
+                             f"{TP_FORMAT_VERSION}, one with EP {EP_FORMAT_VERSION}, one with "
+                             f"neither {FORMAT_VERSION}")
+        if has_ep != (self.plan.expert_grid is not None):
+            raise ValueError(f"ep_size={self.ep_size} disagrees with the plan's expert grid")
         for e in self.model:
             if e.tp is not None and e.tp.tp_size != self.tp_size:
                 raise ValueError(f"matrix {e.fqn!r}: tp_size {e.tp.tp_size} differs from the "
@@ -215,6 +225,11 @@ class CheckpointLayout(BaseModel):
     def saved_mesh_shape(self) -> tuple[int, int]:
         """``(replicate, shard)`` of the saving mesh (flat for layouts written before HSDP)."""
         return self.mesh_shape if self.mesh_shape is not None else (1, self.world_size)
+
+    @property
+    def saved_ep_size(self) -> int:
+        """The saving model's ep size (1 without EP)."""
+        return self.ep_size or 1
 
     @property
     def saved_tp_size(self) -> int:

@@ -91,6 +91,12 @@ class MatrixParam:
         self._build_unsharded()
 
     @property
+    def global_shape(self) -> tuple[int, ...]:
+        """The whole tensor's shape: a TP matrix's or an expert stack's global one."""
+        layout = self.tp or self.ep
+        return tuple(self.shape) if layout is None else layout.global_shape
+
+    @property
     def placeholder_shape(self) -> tuple[int, ...]:
         """A non-owner's empty shard: no elements, but the true fan-in for ``nn.init``."""
         return (0, *self.shape[1:])
