@@ -193,6 +193,7 @@ def fully_shard_matrix(
         reshard_after_forward=reshard_after_forward,
         tp_mesh=tp_mesh,
     )
+    state.experts = experts
     state.register_hooks()
     _register_refresh_hooks(model, state)
     model.__dict__[_STATE_ATTR] = state

@@ -130,7 +130,9 @@ def legacy_layout_loads(rank: int, world: int, root: str) -> None:
         raw = json.loads((legacy / "matrixfsdp_layout.json").read_text())
         raw.pop("mesh_shape")
         raw["plan"].pop("mesh_shape")
-        old_form = {**raw["plan"], "params": [r[:-1] for r in raw["plan"]["params"]]}
+        raw["plan"].pop("expert_grid", None)  # the fields after the first 7 are newer too
+        raw["plan"]["params"] = [r[:7] for r in raw["plan"]["params"]]
+        old_form = raw["plan"]
         digest = json.dumps(old_form, sort_keys=True, separators=(",", ":")).encode()
         raw["plan_hash"] = hashlib.sha256(digest).hexdigest()
         (legacy / "matrixfsdp_layout.json").write_text(json.dumps(raw))

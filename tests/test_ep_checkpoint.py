@@ -73,3 +73,45 @@ def test_dense_checkpoint_loads_under_ep(tmp_path) -> None:
     """A checkpoint written without EP (2 dense ranks) loads at efsdp 1 x ep 4."""
     run_world(2, _phase, str(tmp_path), None, "save")
     run_world(4, _phase, str(tmp_path), "efsdp1_ep4", "load")
+
+
+def _torch_api(rank: int, world: int, root: str, layout: str) -> None:
+    """torch's state-dict API: full and sharded (DCP) round trips of model and optimizer."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_state_dict,
+        set_state_dict,
+    )
+
+    model = _model(layout, world)
+    opt = mf.MatrixOptimizer(model, "okls", lr=0.01, tail_lr=1e-2)
+    _train(model, opt, range(2), rank, world)
+    want = {"params": full_values(model), "state": full_optimizer_state(model, opt)}
+    full = StateDictOptions(full_state_dict=True)
+    model_sd, optim_sd = get_state_dict(model, opt, options=full)
+    assert_close_dicts({k: v for k, v in model_sd.items()}, want["params"], 0.0, "full sd")
+    sharded_model, sharded_optim = get_state_dict(model, opt)
+    dcp.save({"model": sharded_model, "optim": sharded_optim}, checkpoint_id=f"{root}/dcp")
+    for source in ("full", "dcp"):
+        fresh = _model(layout, world)
+        fresh_opt = mf.MatrixOptimizer(fresh, "okls", lr=0.01, tail_lr=1e-2)
+        if source == "full":
+            set_state_dict(fresh, fresh_opt, model_state_dict=model_sd,
+                           optim_state_dict=optim_sd, options=full)
+        else:
+            sd_model, sd_optim = get_state_dict(fresh, fresh_opt)
+            loaded = {"model": sd_model, "optim": sd_optim}
+            dcp.load(loaded, checkpoint_id=f"{root}/dcp")
+            set_state_dict(fresh, fresh_opt, model_state_dict=loaded["model"],
+                           optim_state_dict=loaded["optim"])
+        assert_close_dicts(full_values(fresh), want["params"], 0.0, f"{source}: params")
+        state = full_optimizer_state(fresh, fresh_opt)
+        for fqn in ("layers.0.experts.w_in", "layers.1.experts.w_out", "layers.1.gate.weight"):
+            for key, value in want["state"][fqn].items():
+                assert torch.equal(state[fqn][key].cpu(), value), (source, fqn, key)
+
+
+@pytest.mark.parametrize("layout", ["efsdp2_ep2", "hsdp2_efsdp1_ep2"])
+def test_ep_torch_state_dict_api(tmp_path, layout: str) -> None:
+    run_world(4, _torch_api, str(tmp_path), layout)

@@ -548,12 +548,13 @@ def test_plan_mesh_shape_compatibility() -> None:
     old = make_plan(specs, 2)
     raw = old.model_dump(mode="json")
     raw.pop("mesh_shape")
+    raw.pop("expert_grid")
     legacy = Plan.model_validate(raw)
     assert legacy.mesh_shape is None and legacy.replicate_size == 1
-    # The digest formula of plans before the mesh shape (and row orientations): canonical JSON
-    # of the fields they had.
-    old_form = {**raw, "params": [row[:-1] for row in raw["params"]]}
-    assert all(row[-1] == "out_in" for row in raw["params"])
+    # The digest formula of plans before the mesh shape (and row orientations and meshes):
+    # canonical JSON of the fields they had.
+    old_form = {**raw, "params": [row[:7] for row in raw["params"]]}
+    assert all(row[7:] == ["out_in", "dense"] for row in raw["params"])
     digest = hashlib.sha256(json.dumps(old_form, sort_keys=True, separators=(",", ":")).encode())
     assert legacy.plan_hash() == old.plan_hash() == digest.hexdigest()
     assert Plan.from_json(old.with_mesh_shape(3, 2).to_json()).mesh_shape == (3, 2)

@@ -37,7 +37,13 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .matrix_param import MatrixParam
-from .state_dict_view import StateDictView, exchange_json, gather_to_owner, live_views
+from .state_dict_view import (
+    StateDictView,
+    exchange_json,
+    gather_experts_to_owner,
+    gather_to_owner,
+    live_views,
+)
 from .state_dict_view import comm_device as _comm_device
 from .state_dict_view import scatter_from_owner as _scatter
 from .tp_optim_view import owner_tp_entry, share_step_owner_entry, step_owner_of, tp_layout_for
@@ -269,7 +275,11 @@ def _owner_entry(view: StateDictView, mp: MatrixParam, entry: Mapping[str, Any]
     out: dict[str, Any] = {}
     for name, value in entry.items():
         if isinstance(value, DTensor):
-            value = gather_to_owner(view.state, mp.owner_rank, value)
+            value = (gather_experts_to_owner(view.state, mp, value) if mp.ep is not None
+                     else gather_to_owner(view.state, mp.owner_rank, value))
+        elif (mp.ep is not None and isinstance(value, torch.Tensor) and value.ndim
+              and value.shape[0] == mp.ep.global_shape[0]):  # a full state dict: our experts
+            value = mp.ep.slice_of(value.detach(), mp.ep.ep_rank).contiguous()
         out[name] = value
     return out if mp.is_owner else None
 

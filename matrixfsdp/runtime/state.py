@@ -142,6 +142,7 @@ class MatrixFSDPState:
     ) -> None:
         self.root = root
         self.tp_mesh = tp_mesh  # the tp mesh of a TP-parallelized model (see [Note: TP matrices])
+        self.experts: Any = None  # ExpertMesh of an expert-parallel model (runtime/experts.py)
         self.plan = plan
         self.groups = list(groups)
         self.comm = comm

@@ -51,6 +51,7 @@ from .state import MatrixFSDPState
 __all__ = [
     "StateDictView",
     "exchange_json",
+    "gather_experts_to_owner",
     "gather_to_owner",
     "install_state_dict_view",
     "live_views",
@@ -73,18 +74,32 @@ def matrix_placements(state: MatrixFSDPState) -> tuple[Placement, ...]:
 
 class ViewLayout(NamedTuple):
     """Where a matrix DTensor lives: its mesh and placements, the dim its shard-group chunks cut,
-    and its global shape (the owner's tensor is that shape, or its TP shard)."""
+    and its global shape (the owner's tensor is that shape, its TP shard or its local experts);
+    ``group``: the shard group the chunks are cut over (``None``: the model's)."""
 
     mesh: DeviceMesh
     placements: tuple[Placement, ...]
     dim: int
     global_shape: tuple[int, ...]
+    group: dist.ProcessGroup | None = None
 
 
-def view_layout(state: MatrixFSDPState, mp: MatrixParam) -> ViewLayout:
+def view_layout(state: MatrixFSDPState, mp: MatrixParam,
+                local_shape: Sequence[int] | None = None) -> ViewLayout:
     """A plain matrix: ``Shard(0)`` over the shard dim. A TP matrix (see [Note: TP matrices]):
     the shard dim cuts the other dim of the TP shard, over the dp dims and tp together, so the
     DTensor is the global matrix and ``full_tensor()`` needs no strided placements."""
+    if mp.ep is not None:  # over the expert mesh, cutting each expert's rows (dim 1)
+        shape = tuple(mp.shape if local_shape is None else local_shape)
+        if len(shape) < 2:
+            raise NotImplementedError(
+                f"a tensor of shape {shape} for expert stack {mp.fqn!r} has no per-expert rows "
+                "to cut over the expert mesh; the state-dict view needs 2+ dims per stack"
+            )
+        edp = state.experts.dp
+        dp = (Replicate(), Shard(1)) if edp.mesh.ndim == 2 else (Shard(1),)
+        return ViewLayout(dp_tp_mesh(edp.mesh, mp.ep.mesh), (*dp, Shard(0)), 1,
+                          (mp.ep.global_shape[0], *shape[1:]), edp.shard_group)
     if mp.tp is None:
         return ViewLayout(state.mesh, matrix_placements(state), 0, tuple(mp.shape))
     dim = 1 - mp.tp.shard_dim
@@ -133,6 +148,10 @@ def _shard_group(state: MatrixFSDPState) -> dist.ProcessGroup:
     return state.dp_mesh.shard_group
 
 
+def _layout_group(state: MatrixFSDPState, layout: ViewLayout | None) -> dist.ProcessGroup:
+    return layout.group if layout is not None and layout.group is not None else _shard_group(state)
+
+
 def _row_bounds(rows: int, parts: int, index: int) -> tuple[int, int]:
     """Rows ``[lo, hi)`` of chunk ``index`` when ``torch.chunk`` cuts ``rows`` into ``parts``."""
     size = -(-rows // parts)
@@ -176,7 +195,7 @@ def scatter_from_owner(state: MatrixFSDPState, owner_rank: int, whole: torch.Ten
         swapped[0], swapped[layout.dim] = swapped[layout.dim], swapped[0]
         shape = tuple(swapped)
         whole = None if whole is None else whole.transpose(0, layout.dim)
-    group = _shard_group(state)
+    group = _layout_group(state, layout)
     parts, me = dist.get_world_size(group), dist.get_rank(group)
     device = comm_device(state)
     if parts == 1:
@@ -230,25 +249,53 @@ def gather_to_owner(state: MatrixFSDPState, owner_rank: int, value: DTensor) -> 
 
 def gather_tp_to_owner(state: MatrixFSDPState, mp: MatrixParam,
                        value: DTensor) -> torch.Tensor | None:
-    """A TP matrix's shard of this tp rank from a DTensor of the global matrix, on the owner
-    row (``None`` elsewhere); collective over the shard group, or ``full_tensor()``."""
-    assert mp.tp is not None  # called for TP matrices only
+    """A TP matrix's shard of this tp rank (an expert stack's local experts) from a DTensor of
+    the global tensor, on the owner row (``None`` elsewhere); collective over the shard group,
+    or ``full_tensor()``."""
+    split = mp.tp or mp.ep
+    assert split is not None  # called for TP matrices and expert stacks only
+    if mp.ep is not None:
+        return gather_experts_to_owner(state, mp, value)
     layout = view_layout(state, mp)
     if (value.device_mesh == layout.mesh and tuple(value.placements) == layout.placements
             and tuple(value.shape) == layout.global_shape):
         rows = value.to_local().detach().transpose(0, layout.dim)
         rows_shape = list(mp.shape)
         rows_shape[0], rows_shape[layout.dim] = rows_shape[layout.dim], rows_shape[0]
-        whole = _gather_rows(state, mp.owner_rank, rows, tuple(rows_shape))
+        whole = _gather_rows(state, mp.owner_rank, rows, tuple(rows_shape), layout.group)
         return None if whole is None else whole.transpose(0, layout.dim).contiguous()
     full = value.full_tensor()
-    return mp.tp.slice_of(full, mp.tp.tp_rank).contiguous() if mp.is_owner else None
+    return split.slice_of(full, _split_rank(mp)).contiguous() if mp.is_owner else None
+
+
+def gather_experts_to_owner(state: MatrixFSDPState, mp: MatrixParam,
+                            value: DTensor) -> torch.Tensor | None:
+    """This ep rank's experts of a DTensor ``(E, ...)`` (a stack or its per-expert state), on
+    the stack's owner (``None`` elsewhere); collective over the expert mesh, or
+    ``full_tensor()``."""
+    assert mp.ep is not None
+    local_shape = (mp.ep.local_experts, *value.shape[1:])
+    layout = view_layout(state, mp, local_shape)
+    if (value.device_mesh == layout.mesh and tuple(value.placements) == layout.placements
+            and tuple(value.shape) == layout.global_shape):
+        rows = value.to_local().detach().transpose(0, 1)
+        rows_shape = (local_shape[1], local_shape[0], *local_shape[2:])
+        whole = _gather_rows(state, mp.owner_rank, rows, rows_shape, layout.group)
+        return None if whole is None else whole.transpose(0, 1).contiguous()
+    full = value.full_tensor()
+    return mp.ep.slice_of(full, mp.ep.ep_rank).contiguous() if mp.is_owner else None
+
+
+def _split_rank(mp: MatrixParam) -> int:
+    """This rank's index on the matrix's tp or ep mesh."""
+    return mp.tp.tp_rank if mp.tp is not None else mp.ep.ep_rank
 
 
 def _gather_rows(state: MatrixFSDPState, owner_rank: int, local: torch.Tensor,
-                 shape: tuple[int, ...]) -> torch.Tensor | None:
+                 shape: tuple[int, ...],
+                 group: dist.ProcessGroup | None = None) -> torch.Tensor | None:
     """Row chunks (``torch.chunk`` of ``shape[0]`` over the shard group) gathered on the owner."""
-    group = _shard_group(state)
+    group = group if group is not None else _shard_group(state)
     parts = dist.get_world_size(group)
     mine = owner_rank == dist.get_rank(group)
     if parts == 1:
@@ -329,7 +376,7 @@ class StateDictView:
                     f"the owner of matrix {mp.fqn!r} (shape {tuple(mp.shape)}) holds a tensor of "
                     f"shape {tuple(value.shape)}; call state_dict() outside forward/backward"
                 )
-            layout = view_layout(self.state, mp) if mp.tp is not None else None
+            layout = view_layout(self.state, mp) if mp.tp or mp.ep else None
             state_dict[key] = scatter_from_owner(self.state, mp.owner_rank,
                                                  value if mp.is_owner else None, mp.shape,
                                                  value.dtype, layout)
@@ -343,7 +390,7 @@ class StateDictView:
                 state_dict[key] = self._incoming(mp, state_dict[key])
 
     def _incoming(self, mp: MatrixParam, value: Any) -> Any:
-        if mp.tp is not None:
+        if mp.tp is not None or mp.ep is not None:
             return self._incoming_tp(mp, value)
         if isinstance(value, DTensor):
             if tuple(value.shape) != tuple(mp.shape):
@@ -359,14 +406,16 @@ class StateDictView:
         return value  # the owner's whole matrix, a placeholder, or a mismatch torch reports
 
     def _incoming_tp(self, mp: MatrixParam, value: Any) -> Any:
-        """A TP matrix takes the global matrix (DTensor or plain) or this rank's TP shard."""
-        assert mp.tp is not None  # routed here for TP matrices only
-        shape = mp.tp.global_shape
+        """A TP matrix (an expert stack) takes the global tensor (DTensor or plain) or this
+        rank's TP shard (local experts)."""
+        split = mp.tp or mp.ep
+        assert split is not None  # routed here for TP matrices and expert stacks only
+        shape = split.global_shape
         if isinstance(value, torch.Tensor) and tuple(value.shape) == shape:
             if isinstance(value, DTensor):
                 mine = gather_tp_to_owner(self.state, mp, value)
             else:
-                mine = mp.tp.slice_of(value.detach(), mp.tp.tp_rank).contiguous()
+                mine = split.slice_of(value.detach(), _split_rank(mp)).contiguous()
             return mine if mp.is_owner else _placeholder(mp, value.dtype)
         if isinstance(value, DTensor):
             raise ValueError(

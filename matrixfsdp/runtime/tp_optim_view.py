@@ -92,7 +92,10 @@ def _group_device(group: dist.ProcessGroup) -> torch.device:
 def tp_layout_for(view: StateDictView | None, mp: MatrixParam, shape: list[int],
                   step_owner: int | None) -> Any:
     """The ``ViewLayout`` of a per-TP-shard state tensor; ``None`` for whole state (and
-    ``view=None`` only checks that the tensor can be placed)."""
+    ``view=None`` only checks that the tensor can be placed). An expert stack's per-expert
+    state is laid out as the stack (see [Note: expert parallelism])."""
+    if mp.ep is not None and len(shape):
+        return None if view is None else view_layout(view.state, mp, shape)
     if mp.tp is None or step_owner is not None:
         return None
     if tuple(shape) != tuple(mp.shape):
