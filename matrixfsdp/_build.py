@@ -6,6 +6,7 @@ the tail's FSDP2 units around the matrices.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -23,6 +24,8 @@ from .runtime.selection import ParamSite
 from .runtime.tail import tail_has_unit
 from .runtime.tp import TpLayout
 
+logger = logging.getLogger(__name__)
+
 __all__ = [
     "apply_fully_shard",
     "build_expert_groups",
@@ -31,6 +34,7 @@ __all__ = [
     "fqn_of",
     "nvshmem_comm",
     "torch_comms",
+    "warn_idle_ranks",
 ]
 
 
@@ -180,3 +184,17 @@ def apply_fully_shard(
         placed.update(id(p) for p in own)
     fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy,
                 ignored_params=ignored)
+
+
+def warn_idle_ranks(plan: Plan) -> list[int]:
+    """Under expert parallelism, warn about shard ranks that own no matrix at all (dense or
+    expert): they hold only the tail (an expert rank without dense matrices is fine)."""
+    if plan.expert_grid is None:
+        return []
+    idle = [load.rank for load in plan.rank_loads() if load.num_matrices == 0]
+    if idle:
+        logger.warning(
+            "matrixfsdp: shard ranks %s own no matrix (dense or expert) in the plan of %d "
+            "ranks; they take no part in the optimizer step. Use fewer ranks per expert mesh, "
+            "or select more matrices", idle, plan.world_size)
+    return idle

@@ -22,6 +22,7 @@ from ._build import build_groups as _build_groups
 from ._build import check_tp_with_experts as _check_tp_with_experts
 from ._build import nvshmem_comm as _nvshmem_comm
 from ._build import torch_comms as _torch_comms
+from ._build import warn_idle_ranks as _warn_idle_ranks
 from .collectives import (
     Phase,
     comm_phase,
@@ -166,6 +167,7 @@ def fully_shard_matrix(
                      expert_grid=experts.grid if experts else None).with_mesh_shape(*dp.shape)
     for fqn, note in plan.notes.items():
         logger.warning("matrixfsdp: %s: %s", fqn, note)
+    _warn_idle_ranks(plan)
     if selection_notes:
         plan = plan.model_copy(update={"notes": {**selection_notes, **plan.notes}})
     comm, replicate = _torch_comms(dp, collectives)

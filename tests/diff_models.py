@@ -35,6 +35,11 @@ a data-parallel run can reproduce exactly, so that a failure is the wrapped mode
   before wrapping. The tp ranks of a dp row are one data rank: they see the same tokens and
   take the same branches (``data_rank``), so the reference replays 2 ranks. The other fields
   are drawn as for any seed.
+- Seeds from ``EP_SEED_BASE`` on draw expert-parallel configs: ``mesh="ep"``, world 4 as
+  (replicate, efsdp, ep) in ``EP_LAYOUTS``, at least one block of experts, whose stacks are
+  distributed ``Shard(0)`` over ep before wrapping; such a block sends each rank's tokens to every
+  ep rank (an all-to-all), computes its local experts there and brings the outputs back, the
+  same dense mixture as on one process (``tests/diff_ep.py``). Every rank is a data rank.
 - Seeds from ``HSDP_TP_SEED_BASE`` on compose HSDP with tensor parallelism: ``mesh="hsdp_tp"``,
   world 4 as replicate x shard x tp with ``replicas`` 2 (2x1x2: each replica one owner, the
   owners' TP shards averaged across replicas) or 1 (1x2x2: owners over 2 dp ranks). Data ranks
@@ -43,6 +48,7 @@ a data-parallel run can reproduce exactly, so that a failure is the wrapped mode
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import random
@@ -56,6 +62,8 @@ from torch.utils.checkpoint import checkpoint
 __all__ = [
     "CHECKPOINTS",
     "CI_SEEDS",
+    "EP_LAYOUTS",
+    "EP_SEED_BASE",
     "FORWARDS",
     "HSDP_TP_CI_SEEDS",
     "HSDP_TP_SEED_BASE",
@@ -88,6 +96,8 @@ OPTIMIZERS = ("sgd", "adamw", "muon", "shampoo", "soap", "okls", "emagram")
 FREEZE_AT = ("before_wrap", "after_wrap", "after_step0")
 TP_SEED_BASE = 1_000_000  # seeds from here draw tensor-parallel configs (see the Note)
 HSDP_TP_SEED_BASE = 2_000_000  # ... and from here HSDP x tensor-parallel configs
+EP_SEED_BASE = 3_000_000  # ... and from here expert-parallel configs
+EP_LAYOUTS = ((1, 2, 2), (1, 1, 4), (2, 1, 2))  # (replicate, efsdp, ep) at world 4
 TP_SIZE = 2
 
 
@@ -131,6 +141,7 @@ class DiffConfig:
     seq: int  # tokens per sequence
     tp_blocks: tuple[int, ...] = ()  # TP meshes: the blocks whose MLP is tensor-parallel
     replicas: int = 1  # mesh "hsdp_tp": the replicate dim's size (shard dim: 2 // replicas)
+    ep_layout: tuple[int, ...] = ()  # mesh "ep": (replicate, efsdp, ep), see EP_LAYOUTS
 
     @property
     def is_tp(self) -> bool:
@@ -141,7 +152,8 @@ class DiffConfig:
     def mesh_shape(self) -> tuple[int, ...]:
         """The device mesh's shape; dims (replicate, shard, tp), (dp, tp) or (dp,)."""
         return {"flat": (self.world,), "hsdp": (2, 2), "tp": (self.world // TP_SIZE, TP_SIZE),
-                "hsdp_tp": (self.replicas, 2 // self.replicas, TP_SIZE)}[self.mesh]
+                "hsdp_tp": (self.replicas, 2 // self.replicas, TP_SIZE),
+                "ep": self.ep_layout}[self.mesh]
 
     @property
     def data_world(self) -> int:
@@ -177,6 +189,7 @@ class DiffConfig:
             f"{self.collectives}, reshard_after_forward={self.reshard_after_forward}, stacks "
             f"{self.stacks}, batch {self.per_rank}x{self.seq} per rank"
             + (f"; tensor-parallel MLPs in blocks {list(self.tp_blocks)}" if self.is_tp else "")
+            + ("; experts over ep (replicate x efsdp x ep)" if self.mesh == "ep" else "")
         )
 
 
@@ -217,6 +230,7 @@ class Block(nn.Module):
             self.down = nn.Linear(hidden, dim, bias=False)
         self.unused = nn.Linear(dim, dim, bias=True) if unused else None
         self.branch = nn.Linear(dim, dim, bias=False) if branch else None
+        self.ep_group = None  # mesh "ep": experts distributed over this group (tests/diff_ep.py)
 
     def forward(self, x: torch.Tensor, use_branch: bool = False) -> torch.Tensor:
         if self.kind == "attn":
@@ -226,9 +240,14 @@ class Block(nn.Module):
             h = self.norm(x)
         if self.kind == "moe":
             weights = F.softmax(self.gate(h), dim=-1)
-            inner = F.gelu(torch.einsum("btd,edh->bteh", h, self.w_in))
-            out = torch.einsum("bteh,ehd->bted", inner, self.w_out)
-            x = x + (weights.unsqueeze(-1) * out).sum(dim=2)
+            if self.ep_group is not None:
+                from .diff_ep import experts_over_ep
+
+                out = experts_over_ep(self, h)
+            else:
+                inner = F.gelu(torch.einsum("btd,edh->bteh", h, self.w_in))
+                out = torch.einsum("bteh,ehd->bted", inner, self.w_out)
+            x = x + (weights.unsqueeze(-1) * out.to(weights.dtype)).sum(dim=2)
         else:
             x = x + self.down(F.gelu(self.up(h)))
         if self.branch is not None and use_branch:
@@ -398,14 +417,17 @@ def _mostly(rng: random.Random, choices: tuple[str, ...]) -> str:
 def draw_config(seed: int) -> DiffConfig:
     """The configuration of ``seed``: only valid combinations (see the Note)."""
     rng = random.Random(seed)
-    tp = seed >= TP_SEED_BASE
+    tp = TP_SEED_BASE <= seed < EP_SEED_BASE
     drawn_world = rng.randint(1, 4)  # drawn for TP seeds too: the later draws stay the same
     world = 2 * TP_SIZE if tp else drawn_world
     shape = _draw_shape(rng)
+    ep = seed >= EP_SEED_BASE
+    if ep:  # drawn apart: at least one block of experts to distribute
+        world, shape = 4, _with_moe(shape, random.Random(f"ep:{seed}"))
     freeze, freeze_at, unfreeze = _draw_freeze(rng, shape)
     mesh = "tp" if tp else "hsdp" if world == 4 and rng.random() < 0.5 else "flat"
     replicas = 1
-    if seed >= HSDP_TP_SEED_BASE:  # drawn apart: the seed's other draws stay as for "tp"
+    if HSDP_TP_SEED_BASE <= seed < EP_SEED_BASE:  # drawn apart: other draws stay as for "tp"
         mesh, replicas = "hsdp_tp", random.Random(f"hsdp_tp:{seed}").choice((1, 2))
     shard = {"hsdp": 2, "tp": world // TP_SIZE, "hsdp_tp": 2 // replicas}.get(mesh, world)
     cfg = DiffConfig(
@@ -423,7 +445,19 @@ def draw_config(seed: int) -> DiffConfig:
         per_rank=rng.choice((1, 2)), seq=rng.choice((5, 7)),
         tp_blocks=_draw_tp_blocks(seed, shape) if tp else (), replicas=replicas,
     )
+    if ep:
+        layout = random.Random(f"ep_layout:{seed}").choice(EP_LAYOUTS)
+        cfg = dataclasses.replace(cfg, mesh="ep", ep_layout=layout)
     return cfg
+
+
+def _with_moe(shape: ModelShape, rng: random.Random) -> ModelShape:
+    """``shape`` with one of its blocks made a block of experts if it has none."""
+    if "moe" in shape.kinds:
+        return shape
+    kinds = list(shape.kinds)
+    kinds[rng.randrange(len(kinds))] = "moe"
+    return dataclasses.replace(shape, kinds=tuple(kinds))
 
 
 def _draw_tp_blocks(seed: int, shape: ModelShape) -> tuple[int, ...]:
@@ -457,6 +491,8 @@ def features(cfg: DiffConfig) -> set[str]:
         shape = "x".join(map(str, cfg.mesh_shape))
         kind = "sgd" if cfg.optimizer in ("sgd", "adamw") else "matrix"
         out |= {f"hsdp_tp={shape}", f"hsdp_tp={shape}+optimizer_kind={kind}"}
+    if cfg.mesh == "ep":
+        out |= {f"ep={'x'.join(map(str, cfg.ep_layout))}"}
     if cfg.mesh in ("hsdp", "hsdp_tp"):
         out |= {f"hsdp+optimizer_kind={'sgd' if cfg.optimizer in ('sgd', 'adamw') else 'matrix'}",
                 f"hsdp+forwards={'single' if cfg.forwards == 'single' else 'multi'}"}
@@ -548,9 +584,12 @@ def selected_seeds() -> list[int]:
     only = os.environ.get("MATRIXFSDP_DIFF_SEED", "").strip()
     if only:
         return sorted({int(s) for s in only.split(",") if s.strip()})
-    seeds = set(CI_SEEDS) | set(TP_CI_SEEDS) | set(HSDP_TP_CI_SEEDS)
+    from .diff_ep import EP_CI_SEEDS
+
+    seeds = set(CI_SEEDS) | set(TP_CI_SEEDS) | set(HSDP_TP_CI_SEEDS) | set(EP_CI_SEEDS)
     for variable, base in (("MATRIXFSDP_DIFF_SEEDS", 0), ("MATRIXFSDP_DIFF_TP_SEEDS", TP_SEED_BASE),
-                           ("MATRIXFSDP_DIFF_HSDP_TP_SEEDS", HSDP_TP_SEED_BASE)):
+                           ("MATRIXFSDP_DIFF_HSDP_TP_SEEDS", HSDP_TP_SEED_BASE),
+                           ("MATRIXFSDP_DIFF_EP_SEEDS", EP_SEED_BASE)):
         extra = os.environ.get(variable, "").strip()
         if extra:
             start, _, stop = extra.rpartition(":")

@@ -12,6 +12,8 @@ every pattern, mesh and optimizer at least once); ``MATRIXFSDP_DIFF_SEEDS=200`` 
 tensor-parallel seeds (``TP_SEED_BASE`` + 0..99, world 4 as dp 2 x tp 2; ``TP_CI_SEEDS`` are in
 the fixed set); ``MATRIXFSDP_DIFF_HSDP_TP_SEEDS=100`` adds HSDP x tensor-parallel seeds
 (``HSDP_TP_SEED_BASE`` + 0..99, world 4 as 1x2x2 or 2x1x2; ``HSDP_TP_CI_SEEDS`` are fixed);
+``MATRIXFSDP_DIFF_EP_SEEDS=100`` adds expert-parallel seeds (``EP_SEED_BASE`` + 0..99, world 4
+as replicate x efsdp x ep in ``EP_LAYOUTS``; ``EP_CI_SEEDS`` are fixed);
 ``MATRIXFSDP_DIFF_SEED=17`` (or ``=17,40``) runs only those. A failure names every failing
 seed, its config, what differed and a one-line reproduction. ``python -m tests.test_differential 17`` prints a seed's config.
 ``MATRIXFSDP_DIFF_TAIL_ONLY=1`` selects no matrix but the rank-dependent branch and a singly
@@ -63,6 +65,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 import matrixfsdp as mf
 
 from .checks import FREE_RUNNING_KWARGS, full_optimizer_state, full_values
+from .diff_ep import EP_CI_SEEDS, EpMeshes, distribute_experts, ep_feature_universe, ep_meshes
 from .diff_models import (
     CI_SEEDS,
     HSDP_TP_CI_SEEDS,
@@ -219,7 +222,8 @@ def _between_forward(cfg: DiffConfig, model: nn.Module, rank: int) -> None:
     model.train()
 
 
-def _config_mesh(cfg: DiffConfig, index: int) -> tuple[DeviceMesh, list[dist.ProcessGroup]]:
+def _config_mesh(cfg: DiffConfig, index: int
+                 ) -> tuple[DeviceMesh | EpMeshes, list[dist.ProcessGroup]]:
     """Config ``index``'s mesh on fresh gloo groups with a short timeout (see the Note).
 
     Its dim names are unique: DTensor caches sharding decisions by mesh equality, which
@@ -227,6 +231,8 @@ def _config_mesh(cfg: DiffConfig, index: int) -> tuple[DeviceMesh, list[dist.Pro
     """
     timeout = datetime.timedelta(seconds=GROUP_TIMEOUT_S)
     rank = dist.get_rank()
+    if cfg.mesh == "ep":
+        return ep_meshes(cfg, index, GROUP_TIMEOUT_S)
     if cfg.mesh == "flat":
         group = dist.new_group(list(range(cfg.world)), timeout=timeout)
         return DeviceMesh.from_group(group, "cpu", mesh_dim_names=(f"dp{index}",)), [group]
@@ -251,8 +257,12 @@ def _tail_only_filter(cfg: DiffConfig) -> Callable[[str, nn.Parameter], bool]:
     return lambda fqn, param: fqn.endswith(".branch.weight") or fqn in kept
 
 
-def _wrap(cfg: DiffConfig, model: nn.Module, mesh: DeviceMesh) -> None:
+def _wrap(cfg: DiffConfig, model: nn.Module, mesh: DeviceMesh | EpMeshes) -> None:
     shape = cfg.shape
+    expert_mesh = None
+    if isinstance(mesh, EpMeshes):  # experts over ep first, as torchtitan does; then owners
+        distribute_experts(model, mesh)
+        mesh, expert_mesh = mesh.dense, mesh.experts
     if cfg.is_tp:  # tensor parallelism first, as torchtitan does; then owners over dp
         *dp_names, tp_name = mesh.mesh_dim_names
         for i in cfg.tp_blocks:
@@ -263,7 +273,7 @@ def _wrap(cfg: DiffConfig, model: nn.Module, mesh: DeviceMesh) -> None:
     if os.environ.get("MATRIXFSDP_DIFF_TAIL_ONLY") == "1":  # stock FSDP2 (see the module doc)
         matrix_filter = _tail_only_filter(cfg)
     mf.fully_shard_matrix(
-        model, mesh, matrix_filter=matrix_filter,
+        model, mesh, expert_mesh=expert_mesh, matrix_filter=matrix_filter,
         reshard_after_forward=cfg.reshard_after_forward,
         mp_policy=BF16 if cfg.mixed_precision else None,
         planner=mf.LPTPlanner(stacks=cfg.stacks) if "moe" in shape.kinds else None,
@@ -508,7 +518,7 @@ def _verdict(cfg: DiffConfig, outcomes: list[dict], ref: Reference | None) -> li
                 if want is None or not abs(loss - want) <= loss_rtol * max(abs(want), loss_floor):
                     failures.append(f"loss step/micro {key} rank {rank}: library {loss!r}, "
                                     f"reference {want!r}")
-        if cfg.mesh in ("hsdp", "hsdp_tp") and len({tuple(o["digests"]) for o in outcomes}) > 1:
+        if cfg.mesh in ("hsdp", "hsdp_tp", "ep") and len({tuple(o["digests"]) for o in outcomes}) > 1:
             failures.append("HSDP replicas hold different values or gradients: "
                             f"{[o['digests'] for o in outcomes]}")
     return failures
@@ -583,11 +593,12 @@ def test_ci_seeds_cover_every_pattern() -> None:
 @pytest.mark.parametrize(("mesh", "seeds", "universe"), [
     ("tp", TP_CI_SEEDS, tp_feature_universe),
     ("hsdp_tp", HSDP_TP_CI_SEEDS, hsdp_tp_feature_universe),
+    ("ep", EP_CI_SEEDS, ep_feature_universe),
 ])
 def test_tp_ci_seeds_cover_every_pattern(mesh: str, seeds: tuple[int, ...],
                                          universe: Callable[[], set[str]]) -> None:
     configs = [draw_config(s) for s in seeds]
-    assert all(c.mesh == mesh and c.tp_blocks for c in configs)
+    assert all(c.mesh == mesh and (c.tp_blocks or mesh == "ep") for c in configs)
     covered = {f.removesuffix("@ranks") for c in configs for f in features(c)}
     missing = universe() - covered
     assert not missing, f"not covered: {sorted(missing)}"

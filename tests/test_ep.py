@@ -82,6 +82,11 @@ def _sgd(rank: int, world: int, layout: str) -> None:
             want = math.sqrt(sum(p.grad.double().pow(2).sum().item() for p in ref.parameters()))
             got = mf.global_grad_norm(model).item()
             assert abs(got - want) <= 1e-6 * want, f"global norm {got} != {want}"
+            clipped = mf.clip_grad_norm_(model, 0.5 * want).item()
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5 * want)
+            assert abs(clipped - want) <= 1e-6 * want, f"clip_grad_norm_ {clipped} != {want}"
+            assert_close_dicts(full_values(model, "grad"), reference_values(ref, "grad"), 1e-6,
+                               "clipped grad")
         for o in opts:
             o.step()
             o.zero_grad()
@@ -219,3 +224,29 @@ def _wrong_placement(dense: DeviceMesh, experts: DeviceMesh, ep: DeviceMesh) -> 
 
 def test_ep_errors() -> None:
     run_world(4, _errors)
+
+
+def test_joint_plan_balances_dense_and_expert_owners(caplog) -> None:
+    """One LPT over both: an expert stack lands on every rank of its expert-mesh index, dense
+    matrices fill the least-loaded ranks; max/mean is over both; idle ranks are warned about."""
+    from matrixfsdp._build import warn_idle_ranks
+    from matrixfsdp.planner import ParamSpec, make_plan
+
+    grid = (0, 0, 1, 1)  # efsdp 2 x ep 2: dense shard ranks 0, 1 hold expert index 0
+    experts = [ParamSpec(f"layers.{i}.experts.w", (2, 8, 8), role="matrix", mesh="expert")
+               for i in range(2)]
+    dense = [ParamSpec(f"layers.{i}.gate.weight", (4, 8), role="matrix") for i in range(4)]
+    plan = make_plan([*experts, *dense], 4, expert_grid=grid)
+    assert sorted(p.owner_rank for p in plan.matrices if p.mesh == "expert") == [0, 1]
+    loads = [lo.nbytes for lo in plan.rank_loads()]
+    assert loads == [2 * 8 * 8 * 4 + 4 * 8 * 4] * 4  # each rank: one local stack + one gate
+    assert plan.imbalance("bytes") == 1.0
+    assert plan.holders(plan["layers.0.experts.w"]) in ((0, 1), (2, 3))
+    assert mf.Plan.from_json(plan.to_json()).plan_hash() == plan.plan_hash()
+    with caplog.at_level("WARNING"):
+        idle = warn_idle_ranks(make_plan(experts[:1], 4, expert_grid=grid))
+    assert len(idle) == 2 and "own no matrix" in caplog.text
+    with pytest.raises(NotImplementedError, match="memory_cap_bytes"):
+        make_plan(experts, 4, mf.LPTPlanner(memory_cap_bytes=10**6), expert_grid=grid)
+    with pytest.raises(NotImplementedError, match="cannot place expert stacks"):
+        make_plan(experts, 4, lambda specs, world: None, expert_grid=grid)

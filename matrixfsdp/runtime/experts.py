@@ -3,7 +3,7 @@
 [Note: expert parallelism]
 - An *expert parameter* is a 3-D stack ``(E, out, in)`` (or ``(E, in, out)``) that was
   distributed before wrapping as a DTensor ``Shard(0)`` over a 1-D mesh whose dim is named
-  ``ep`` (torchtitan's ``ExpertParallel``, or ``distribute_tensor(stack, mesh["ep"],
+  ``ep`` (or ``expert``, optionally numbered: ``ep0``) (torchtitan's ``ExpertParallel``, or ``distribute_tensor(stack, mesh["ep"],
   [Shard(0)])``). Each ep rank stores its *local experts*, ``E / ep`` whole experts.
 - Two data-parallel meshes share the ranks: the *dense mesh* (``mesh=``) over which dense
   matrices and the tail are sharded, and the *expert mesh* (``expert_mesh=``, torchtitan's
@@ -26,6 +26,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -51,8 +52,10 @@ __all__ = [
     "with_expert_rows",
 ]
 
-# Mesh dim names that mark a DTensor parameter as an expert stack (torchtitan names it "ep").
+# Mesh dim names that mark a DTensor parameter as an expert stack (torchtitan names it "ep"),
+# optionally numbered ("ep0", "ep_1") where several meshes live in one process.
 EXPERT_DIM_NAMES = frozenset({"ep", "expert"})
+_EXPERT_DIM = re.compile(r"^(ep|expert)(_?\d+)?$")
 
 _FIX = ("build one mesh init_device_mesh(type, (efsdp, ep), mesh_dim_names=('efsdp', 'ep')) "
         "over the dense data-parallel ranks, distribute each expert stack with "
@@ -64,7 +67,7 @@ def is_expert_param(param: torch.Tensor) -> bool:
     if not isinstance(param, DTensor):
         return False
     names = param.device_mesh.mesh_dim_names or ()
-    return any(name.lower() in EXPERT_DIM_NAMES for name in names)
+    return any(_EXPERT_DIM.match(name.lower()) for name in names)
 
 
 def expert_params(model: nn.Module) -> dict[str, nn.Parameter]:
