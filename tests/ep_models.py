@@ -121,3 +121,54 @@ def distribute_experts(model: nn.Module, ep_mesh: DeviceMesh) -> nn.Module:
 
 
 EXPERT_FQNS = tuple(f"layers.{i}.experts.{w}" for i in range(2) for w in ("w_in", "w_out"))
+
+
+# -- a Hugging Face MoE under EP: an all-to-all dispatch around its own experts ---------------------
+def hf_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> nn.Module:
+    """Distribute every Hugging Face fused-experts module (``gate_up_proj``/``down_proj`` stacks,
+    e.g. Qwen3-MoE's) ``Shard(0)`` over ``ep_mesh`` and route its tokens there with an
+    all-to-all; the experts' own forward computes each rank's local experts."""
+    import functools
+
+    group = ep_mesh.get_group(0)
+    for module in model.modules():
+        if hasattr(module, "gate_up_proj") and hasattr(module, "down_proj") and \
+                isinstance(module.gate_up_proj, nn.Parameter):
+            for name in ("gate_up_proj", "down_proj"):
+                param = getattr(module, name)
+                dt = distribute_tensor(param.detach(), ep_mesh, [Shard(0)])
+                module.register_parameter(name, nn.Parameter(dt, requires_grad=param.requires_grad))
+            module.forward = functools.partial(_hf_ep_forward, module, group)
+    return model
+
+
+def _hf_ep_forward(module: nn.Module, group: dist.ProcessGroup, hidden: torch.Tensor,
+                   top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    from types import SimpleNamespace
+
+    experts, k = module.num_experts, top_k_index.shape[-1]
+    ep = dist.get_world_size(group)
+    local = experts // ep
+    expert_of = top_k_index.reshape(-1)
+    token_of = torch.arange(hidden.shape[0], device=hidden.device).repeat_interleave(k)
+    order = torch.argsort(expert_of, stable=True)
+    counts = torch.bincount(expert_of, minlength=experts)
+    received = torch.empty_like(counts)
+    dist.all_to_all_single(received, counts, group=group)
+    send = counts.view(ep, local).sum(1).tolist()
+    by_source = received.view(ep, local)
+    recv = by_source.sum(1).tolist()
+    routed = hidden[token_of[order]]
+    inbound = dist_fn.all_to_all_single(routed.new_empty(sum(recv), routed.shape[1]), routed,
+                                        recv, send, group=group)
+    local_index = torch.cat([torch.full((int(by_source[s, e]),), e, dtype=torch.long,
+                                        device=hidden.device)
+                             for s in range(ep) for e in range(local)])
+    shim = SimpleNamespace(num_experts=local, gate_up_proj=module.gate_up_proj.to_local(),
+                           down_proj=module.down_proj.to_local(), act_fn=module.act_fn)
+    own_forward = type(module).forward.__wrapped__  # Hugging Face's eager expert loop
+    out = own_forward(shim, inbound, local_index.unsqueeze(1),
+                      torch.ones(inbound.shape[0], 1, dtype=inbound.dtype, device=inbound.device))
+    back = dist_fn.all_to_all_single(routed.new_empty(routed.shape), out, send, recv, group=group)
+    weights = top_k_weights.reshape(-1)[order, None].to(back.dtype)
+    return torch.zeros_like(hidden).index_add(0, token_of[order], (back * weights).to(hidden.dtype))
