@@ -115,3 +115,18 @@ def _torch_api(rank: int, world: int, root: str, layout: str) -> None:
 @pytest.mark.parametrize("layout", ["efsdp2_ep2", "hsdp2_efsdp1_ep2"])
 def test_ep_torch_state_dict_api(tmp_path, layout: str) -> None:
     run_world(4, _torch_api, str(tmp_path), layout)
+
+
+def _load_full(rank: int, world: int, layout: str) -> None:
+    """load_full_state_dict: each ep rank's owner reads its own experts of the whole stacks."""
+    torch.manual_seed(7)
+    source = TinyEPMoE()
+    model = _model(layout, world)
+    mf.checkpoint.load_full_state_dict(model, source.state_dict())
+    assert_close_dicts(full_values(model), {k: v.detach() for k, v in source.state_dict().items()},
+                       0.0, "loaded full state dict")
+
+
+@pytest.mark.parametrize("layout", ["efsdp2_ep2", "efsdp1_ep4"])
+def test_ep_load_full_state_dict(layout: str) -> None:
+    run_world(4, _load_full, layout)
