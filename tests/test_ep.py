@@ -250,3 +250,24 @@ def test_joint_plan_balances_dense_and_expert_owners(caplog) -> None:
         make_plan(experts, 4, mf.LPTPlanner(memory_cap_bytes=10**6), expert_grid=grid)
     with pytest.raises(NotImplementedError, match="cannot place expert stacks"):
         make_plan(experts, 4, lambda specs, world: None, expert_grid=grid)
+
+
+def _dense_mesh_forms(rank: int, world: int) -> None:
+    """The dense mesh as the default group (mesh=None) or as the world mesh flattened: the same
+    exact gradients."""
+    for form in ("default", "flattened"):
+        mesh = init_device_mesh(device_type(), (2, 2), mesh_dim_names=("efsdp", "ep"))
+        experts, ep = mesh["efsdp"], mesh["ep"]
+        torch.manual_seed(0)
+        ref = TinyEPMoE()
+        model = distribute_experts(copy.deepcopy(ref), ep)
+        dense = None if form == "default" else mesh["efsdp", "ep"]._flatten("dp_flat")
+        mf.fully_shard_matrix(model, dense, expert_mesh=experts)
+        tokens = global_batch(0)
+        _reference_backward(ref, tokens, world)
+        lm_loss(model, local_batch(tokens, rank, world)).backward()
+        assert_close_dicts(full_values(model, "grad"), reference_values(ref, "grad"), 1e-6, form)
+
+
+def test_ep_dense_mesh_forms() -> None:
+    run_world(4, _dense_mesh_forms)
