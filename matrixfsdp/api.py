@@ -35,6 +35,7 @@ from .runtime.experts import (
     resolve_expert_mesh,
     with_expert_rows,
 )
+from .runtime.fsdp_methods import install_fsdp_methods
 from .runtime.mesh import DataParallelMesh, backend_device_type, init_hsdp_mesh, resolve_mesh
 from .runtime.selection import (
     MatrixFilter,
@@ -42,6 +43,7 @@ from .runtime.selection import (
     param_specs,
     report_selection,
     select_params,
+    warn_weak_selection,
 )
 from .runtime.state_dict_view import install_state_dict_view
 from .runtime.tp import model_tp_mesh, tp_layout_of, tp_norm_weight
@@ -108,8 +110,11 @@ def fully_shard_matrix(
             plan, and the model's own token dispatch is untouched (see [Note: expert
             parallelism] in ``runtime/experts.py``). Needed exactly when the model has expert
             parameters; with ``mesh = (efsdp, ep)`` ranks of one mesh, pass ``mesh["efsdp"]``.
-        groups: communication units (one gather and one reduction each); ``None`` means every
-            child of each outermost ``nn.ModuleList`` (the blocks), then the root.
+        groups: communication units (one gather and one reduction each); ``None`` means the
+            blocks: every child of each outermost ``nn.ModuleList``, and the blocks of one class
+            repeated in an outermost ``nn.ModuleDict`` / ``nn.Sequential`` (torchtitan's layer
+            dict, timm's blocks), then the root. Wrapping that finds no block or selects no
+            matrix logs a WARNING naming this fix.
         matrix_filter: ``(fqn, param) -> bool`` choosing the matrices; ``None`` applies the
             default rule (see [Note: default matrix selection] in ``runtime/selection.py``): every
             parameter of 2+ dims inside a group other than the root (``nn.Linear``, Hugging Face
@@ -161,6 +166,7 @@ def fully_shard_matrix(
     device_type = "meta" if _all_meta(model) else dp.mesh.device_type
     sites = select_params(model, group_modules, matrix_filter, device_type)
     selection_notes = report_selection(sites, filtered=matrix_filter is not None)
+    warn_weak_selection(model, sites, group_modules, groups_given=groups is not None)
     ep_layouts = expert_layouts(sites, experts)
     specs = with_expert_rows(param_specs(sites), ep_layouts)
     plan = make_plan(specs, dp.shard_size, planner,
@@ -197,6 +203,7 @@ def fully_shard_matrix(
     )
     state.experts = experts
     state.register_hooks()
+    install_fsdp_methods(state)  # FSDPModule methods drive the matrices too
     _register_refresh_hooks(model, state)
     model.__dict__[_STATE_ATTR] = state
     _log_summary(plan, len(matrix_groups))

@@ -368,3 +368,74 @@ def test_orientation_change_is_refused_on_load(one_rank: None, tmp_path: Path) -
                        match=r"orientation changed.*'layers.0.experts.up' \(in_out -> out_in\)"):
         mf.checkpoint.load(tmp_path / "ck", turned, mf.MatrixOptimizer(turned, "muon"))
     mf.checkpoint.load(tmp_path / "ck", turned, weights_only=True)  # the weights alone still load
+
+
+# -- default groups for real layouts: ModuleDict (torchtitan), Sequential (timm) ---------------------
+class _LayerDict(nn.ModuleDict):
+    """torchtitan keeps its layers in a subclass of nn.ModuleDict keyed "0", "1", ..."""
+
+
+class _DictLM(nn.Module):
+    def __init__(self, layers: int = 3) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(10, 8)
+        self.layers = _LayerDict({str(i): _TitanBlock() for i in range(layers)})
+        self.norm = nn.RMSNorm(8)
+        self.output = nn.Linear(8, 10, bias=False)
+
+
+class _TitanBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention = nn.ModuleDict({"wqkv": nn.Linear(8, 24, bias=False),
+                                        "wo": nn.Linear(8, 8, bias=False)})
+        self.feed_forward = nn.Sequential(nn.Linear(8, 16), nn.SiLU(), nn.Linear(16, 8))
+        self.attention_norm = nn.RMSNorm(8)
+
+
+def test_default_groups_follow_module_dict_and_sequential_blocks() -> None:
+    model = _DictLM()
+    groups = default_groups(model)
+    assert groups == [*model.layers.values(), model]
+    sites = select_params(model, groups, None, "cpu")
+    block_weights = {s.fqn for s in sites if s.fqn.startswith("layers.") and s.param.ndim == 2}
+    assert len(block_weights) == 12
+    assert {s.fqn for s in sites if s.is_matrix} == block_weights
+    # timm: blocks = Sequential(Block, ...); a Sequential root: its blocks, not the head.
+    timm = nn.Module()
+    timm.patch = nn.Linear(4, 8)
+    timm.blocks = nn.Sequential(*(_TitanBlock() for _ in range(2)))
+    timm.head = nn.Linear(8, 3)
+    assert default_groups(timm) == [*timm.blocks, timm]
+    seq = nn.Sequential(nn.Embedding(10, 8), _TitanBlock(), _TitanBlock(), nn.Linear(8, 10))
+    assert default_groups(seq) == [seq[1], seq[2], seq]
+    # Not blocks: a Sequential of layers, a dict of distinct parts.
+    mlp = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 4))
+    assert default_groups(mlp) == [mlp]
+    parts = nn.ModuleDict({"enc": _DictLM(), "head": nn.Linear(8, 2)})
+    assert default_groups(parts) == [*parts["enc"].layers.values(), parts]
+
+
+def test_wrap_without_blocks_warns_with_the_fix(one_rank: None,
+                                                caplog: pytest.LogCaptureFixture) -> None:
+    model = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 4))
+    with caplog.at_level(logging.INFO, logger="matrixfsdp"):
+        mf.fully_shard_matrix(model)
+    warnings = _messages(caplog, logging.WARNING)
+    assert len(warnings) == 1 and "groups=" in warnings[0], warnings
+    assert "found no repeated blocks" in warnings[0] and "no matrix was selected" in warnings[0]
+    caplog.clear()
+    model = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 4))
+    with caplog.at_level(logging.INFO, logger="matrixfsdp"):
+        mf.fully_shard_matrix(model, groups=[model[0], model[2]])
+    assert not _messages(caplog, logging.WARNING)
+    assert len(mf.get_plan(model).selection().matrices) == 2
+
+
+def test_module_dict_model_wraps_by_default(one_rank: None,
+                                            caplog: pytest.LogCaptureFixture) -> None:
+    model = _DictLM()
+    with caplog.at_level(logging.INFO, logger="matrixfsdp"):
+        mf.fully_shard_matrix(model)
+    assert not _messages(caplog, logging.WARNING)
+    assert len(mf.get_plan(model).selection().matrices) == 12

@@ -82,6 +82,8 @@ class MatrixGroup:
         # Ranks whose mean the gradient is (None: this group's ranks; expert groups: the whole
         # data-parallel world, see [Note: expert parallelism] in ``runtime/experts.py``).
         self.data_parallel_world = data_parallel_world
+        # FSDP2's set_gradient_divide_factor on the unit holding this group (None: the mean).
+        self.gradient_divide_factor: float | None = None
         self.module = module
         self.params = list(params)
         self.comm = comm
@@ -265,8 +267,10 @@ class MatrixGroup:
         return owned
 
     @property
-    def grad_divisor(self) -> int:
+    def grad_divisor(self) -> float:
         """Ranks whose gradients are averaged: the shard group times the replicas (HSDP)."""
+        if self.gradient_divide_factor is not None:
+            return self.gradient_divide_factor
         if self.data_parallel_world is not None:
             return self.data_parallel_world
         return self.comm.world_size * (self.replicate.world_size if self.replicate else 1)

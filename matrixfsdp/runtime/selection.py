@@ -4,7 +4,9 @@
 A parameter is a *matrix* (stepped by the matrix optimizer on its owner) when, with the default
 ``matrix_filter=None``, all of these hold:
 - it lives inside a group other than the root (a block: by default every child of each outermost
-  ``nn.ModuleList``), so the LM head, the final norm and root-level embeddings stay in the tail;
+  ``nn.ModuleList``, and the blocks of one class repeated in an outermost ``nn.ModuleDict`` or
+  ``nn.Sequential``: see ``container_blocks``), so the LM head, the final norm and root-level
+  embeddings stay in the tail;
 - it has at least 2 dims and neither matrix dim has size 1 (a ``(1, n)`` tensor is a vector);
 - it is not an embedding: not the weight of an ``nn.Embedding`` (or subclass) and not tied to one;
 - it is not a bias (its name is ``bias`` or ends in ``_bias``: stacked expert biases are 2-D);
@@ -40,6 +42,7 @@ from ..planner import ParamSpec, canonical_shape
 __all__ = [
     "MatrixFilter",
     "ParamSite",
+    "container_blocks",
     "default_groups",
     "default_rule",
     "orientation_of",
@@ -47,6 +50,7 @@ __all__ = [
     "report_selection",
     "select_params",
     "summarize_fqns",
+    "warn_weak_selection",
 ]
 
 logger = logging.getLogger(__name__)
@@ -75,17 +79,67 @@ class ParamSite:
 
 
 def default_groups(model: nn.Module) -> list[nn.Module]:
-    """Every child of each outermost ``nn.ModuleList`` (the blocks), then the root."""
+    """The blocks of the outermost block containers (see ``container_blocks``), then the root."""
     groups: list[nn.Module] = []
     claimed: set[int] = set()
     for module in model.modules():
         if id(module) in claimed:
             continue
-        if isinstance(module, nn.ModuleList):
-            for child in module:
-                groups.append(child)
-                claimed.update(id(m) for m in child.modules())
+        for child in container_blocks(module):
+            groups.append(child)
+            claimed.update(id(m) for m in child.modules())
     return [*groups, model]
+
+
+def container_blocks(module: nn.Module) -> list[nn.Module]:
+    """The repeated blocks ``module`` holds as a container, or ``[]``.
+
+    - ``nn.ModuleList`` (and subclasses): every child;
+    - ``nn.ModuleDict`` and ``nn.Sequential`` (and subclasses, as torchtitan's layer dict): the
+      children of a class that occurs at least twice among them and that are blocks themselves
+      (they hold parameters and have submodules), so ``Sequential(Linear, GELU, Linear)`` or a
+      dict of heads are no blocks, while the layers of a Llama (``ModuleDict`` "0", "1", ...) or
+      timm's ``blocks = Sequential(Block, ...)`` are; a ``Sequential`` root holding an
+      embedding, the blocks and a head gives the blocks.
+    """
+    if isinstance(module, nn.ModuleList):
+        return list(module)
+    if not isinstance(module, (nn.ModuleDict, nn.Sequential)):
+        return []
+    children = list(module.children())
+    candidates = [c for c in children if next(c.children(), None) is not None
+                  and next(c.parameters(), None) is not None]
+    counts: dict[type, int] = {}
+    for child in candidates:
+        counts[type(child)] = counts.get(type(child), 0) + 1
+    return [c for c in candidates if counts[type(c)] >= 2]
+
+
+def warn_weak_selection(
+    model: nn.Module, sites: Sequence[ParamSite], group_modules: Sequence[nn.Module],
+    groups_given: bool,
+) -> None:
+    """Warn loudly (with the fix) when wrapping selects no matrix or finds no block."""
+    matrices = sum(1 for s in sites if s.is_matrix)
+    weights = sum(1 for s in sites if s.param.ndim >= 2)
+    problems = []
+    if not groups_given and len(group_modules) == 1:
+        problems.append(
+            "the default groups found no repeated blocks (children of an nn.ModuleList, or "
+            "blocks of one class repeated in an nn.ModuleDict / nn.Sequential), so every tail "
+            "parameter sits in the root's one FSDP2 unit, never resharded during a step "
+            "(DDP-level memory)")
+    if matrices == 0 and weights:
+        problems.append(
+            f"no matrix was selected ({weights} tensor(s) of 2+ dims all stay in the tail and "
+            "are stepped by the tail optimizer (AdamW), not the matrix optimizer)")
+    if problems:
+        logger.warning(
+            "matrixfsdp: wrapping %s: %s. Fix: pass groups=[...] (the transformer blocks, e.g. "
+            "groups=list(model.layers.values()) or list(model.layers)) and, if needed, "
+            "matrix_filter=...; see get_plan(model).selection()",
+            type(model).__name__, "; ".join(problems),
+        )
 
 
 def _module_fqns(model: nn.Module) -> dict[int, str]:

@@ -152,6 +152,12 @@ class MatrixFSDPState:
         self.prefetch = prefetch
         self.requires_grad_sync = True
         self.requires_all_reduce = True  # HSDP: all-reduce owned gradients over the replicas
+        # FSDP2's set_reshard_after_backward (see [Note: FSDPModule methods] in fsdp_methods.py):
+        # with it off, groups stay gathered after backward ("held") until a forward reshards them.
+        self.reshard_after_backward = True
+        self._held: set[int] = set()  # ids of groups kept unsharded by reshard_after_backward/unshard()
+        self.is_last_backward = True  # recorded (FSDP2's set_is_last_backward); no effect on matrices
+        self.post_optim_event: Any = None  # the next forward waits on it before gathering
         self.params: dict[str, MatrixParam] = {p.fqn: p for g in self.groups for p in g.params}
         self.queue = WorkQueue.with_limits(DEFAULT_IN_FLIGHT)
         # The side streams every group shares (see [Note: streams]).
@@ -217,6 +223,13 @@ class MatrixFSDPState:
             self._evict_parked(group)
         group.unshard()  # no-op unless still sharded
 
+    def hold_unsharded(self, group: MatrixGroup) -> None:
+        """FSDP2's ``unshard()``: gather ``group`` now and keep it until a reshard."""
+        with comm_phase(Phase.FORWARD):
+            self._unshard(group)
+        self._held.add(id(group))
+        group.use_unsharded()
+
     def _prefetch(self, group: MatrixGroup) -> None:
         if group.state is not GroupState.SHARDED:
             return
@@ -227,6 +240,7 @@ class MatrixFSDPState:
                                     discard=group.reshard, event=group.gather_event))
 
     def _reshard(self, group: MatrixGroup) -> None:
+        self._held.discard(id(group))
         work = self.queue.take(WorkKind.GATHER, group)
         if work is not None:
             work.drop()
@@ -248,7 +262,14 @@ class MatrixFSDPState:
         if in_backward():  # a recomputation (activation checkpointing around the whole model)
             self._queue_final_callback()
             return
-        self.retire_pending()
+        self._drain()
+        event, self.post_optim_event = self.post_optim_event, None
+        if event is not None:  # FSDP2's set_post_optim_event: gathers follow the optimizer's work
+            event.wait()
+        for group in self.groups:  # held groups stay gathered (FSDP2's reshard_after_backward)
+            if id(group) not in self._held:
+                group.reshard()
+            group.use_sharded()
         self._reshard_tail()  # a forward that had no backward may have left it unsharded
         self._root_forward_running = True
         if self._forward_order:  # a new forward: its groups are recorded again
@@ -275,7 +296,7 @@ class MatrixFSDPState:
                     "forward of the whole model reduces; call the whole model, run the module "
                     "under torch.no_grad(), or wrap with tail_units='groups'"
                 )
-            self.root.unshard()  # type: ignore[operator]
+            FSDPModule.unshard(self.root)  # type: ignore[arg-type]  # the tail only
             self._root_unsharded_for = group
         elif self._root_unsharded_for is group:
             self._root_unsharded_for = None
@@ -365,7 +386,11 @@ class MatrixFSDPState:
         if group.calls_pending == 0 and self.requires_grad_sync:
             with comm_phase(Phase.BACKWARD):
                 self._reduce(group)
-        self._reshard(group)  # free non-owned storage now; another call's backward regathers
+        if self.reshard_after_backward:
+            self._reshard(group)  # free non-owned storage now; another call's backward regathers
+        else:
+            self._held.add(id(group))
+            group.use_sharded()
 
     def _reduce(self, group: MatrixGroup) -> None:
         if not group.needs_reduce or not group.trainable:
@@ -418,16 +443,33 @@ class MatrixFSDPState:
                     for group in self.groups:  # registration order: the same on every rank
                         self._reduce(group)
                 self._drain()
-        finally:  # also when landing raised: leave no gathered copy behind
+        finally:  # also when landing raised: leave no gathered copy behind (unless held)
             for group in self.groups:
-                group.reshard()
+                if self.reshard_after_backward or group.state is not GroupState.UNSHARDED:
+                    self._held.discard(id(group))
+                    group.reshard()
+                else:
+                    self._held.add(id(group))
                 group.use_sharded()
             self._end_backward()
+
+    def flush_reductions(self) -> None:
+        """Outside backward: what the end of backward does, for pipelining's end of step.
+
+        ``torch.distributed.pipelining`` runs every microbatch's backward with gradient sync off
+        and then calls FSDP2's ``_root_post_backward_final_callback`` itself (see [Note:
+        FSDPModule methods] in ``fsdp_methods.py``): with sync on, the groups whose gradients
+        accumulated are reduced once, landed, and resharded. A no-op while this model's own
+        end-of-backward callback is queued (that callback does the same).
+        """
+        if not self._callback_queued:
+            self._final_callback()
 
     # -- control ----------------------------------------------------------------------------------
     def retire_pending(self) -> None:
         """Retire every pending collective and reshard every group (matrices only; local)."""
         self._drain()
+        self._held.clear()
         for group in self.groups:
             group.reshard()
             group.use_sharded()

@@ -99,7 +99,7 @@ def reshard_tail(module: FSDPModule) -> None:
             if unsharded is not None and registered is unsharded and \
                     unsharded.requires_grad != fsdp_param.sharded_param.requires_grad:
                 fsdp_param.sharded_param.requires_grad_(unsharded.requires_grad)
-    module.reshard()
+    FSDPModule.reshard(module)  # FSDP2 only (the model's own method reshards the matrices too)
     for group in _param_groups(module._get_fsdp_state()):
         to_sharded = getattr(group, "_to_sharded", None)
         if to_sharded is not None:
