@@ -30,7 +30,7 @@ from .checks import (
     reference_values,
 )
 from .dist_utils import device_type, run_subtests, run_world
-from .ep_models import EXPERT_FQNS, TinyEPMoE, distribute_experts
+from .ep_models import EXPERT_FQNS, MoEBlock, TinyEPMoE, distribute_experts
 from .models import global_batch, lm_loss, local_batch
 from .test_optim_dist import LR, ReferenceStepper
 
@@ -252,15 +252,30 @@ def test_joint_plan_balances_dense_and_expert_owners(caplog) -> None:
         make_plan(experts, 4, lambda specs, world: None, expert_grid=grid)
 
 
+def _per_layer_ep(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """Each layer's experts on its own ``mesh["ep"]`` call: equal, distinct DeviceMesh objects.
+    The layers' expert widths differ (see ``_dense_mesh_forms``): DTensor's sharding cache, keyed
+    by shape, would otherwise hand the first layer's mesh object to the second layer."""
+    for layer in model.layers:
+        distribute_experts(layer, mesh["ep"])
+    meshes = [layer.experts.w_in.device_mesh for layer in model.layers]
+    assert meshes[0] is not meshes[1] and meshes[0] == meshes[1], "want distinct equal meshes"
+    return model
+
+
 def _dense_mesh_forms(rank: int, world: int) -> None:
-    """The dense mesh as the default group (mesh=None) or as the world mesh flattened: the same
-    exact gradients."""
-    for form in ("default", "flattened"):
+    """The dense mesh as the default group (mesh=None) or as the world mesh flattened, and each
+    layer's experts on its own ``mesh["ep"]`` (meshes compared by value): the same exact
+    gradients."""
+    for form in ("default", "flattened", "a mesh['ep'] per layer"):
         mesh = init_device_mesh(device_type(), (2, 2), mesh_dim_names=("efsdp", "ep"))
         experts, ep = mesh["efsdp"], mesh["ep"]
         torch.manual_seed(0)
         ref = TinyEPMoE()
-        model = distribute_experts(copy.deepcopy(ref), ep)
+        if form.endswith("per layer"):
+            ref.layers[1] = MoEBlock(16, hidden=20)
+        model = (_per_layer_ep(copy.deepcopy(ref), mesh) if form.endswith("per layer")
+                 else distribute_experts(copy.deepcopy(ref), ep))
         dense = None if form == "default" else mesh["efsdp", "ep"]._flatten("dp_flat")
         mf.fully_shard_matrix(model, dense, expert_mesh=experts)
         tokens = global_batch(0)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -53,20 +54,41 @@ FULL = StateDictOptions(full_state_dict=True)
 MLP_PLAN = {"up": ColwiseParallel(), "down": RowwiseParallel()}
 
 
-def _meshes(hsdp: bool) -> tuple[DeviceMesh, DeviceMesh]:
+TpMesh = DeviceMesh | Callable[[], DeviceMesh]  # one tp mesh, or a fresh mesh["tp"] per block
+
+
+def _meshes(hsdp: bool, per_block: bool = False) -> tuple[DeviceMesh, TpMesh]:
+    """(dp mesh, tp mesh); ``per_block``: a function giving each block its own ``mesh["tp"]``
+    call, an equal but distinct DeviceMesh each time (as torchtitan-style per-block plans do)."""
     if hsdp:
         mesh = init_device_mesh(device_type(), (1, 2, 2), mesh_dim_names=("replicate", "shard", "tp"))
-        return mesh["replicate", "shard"], mesh["tp"]
-    mesh = init_device_mesh(device_type(), (2, 2), mesh_dim_names=("dp", "tp"))
-    return mesh["dp"], mesh["tp"]
+        dp = mesh["replicate", "shard"]
+    else:
+        mesh = init_device_mesh(device_type(), (2, 2), mesh_dim_names=("dp", "tp"))
+        dp = mesh["dp"]
+    return dp, (lambda: mesh["tp"]) if per_block else mesh["tp"]
 
 
-def _tp_model(ref: nn.Module, dp: DeviceMesh, tp: DeviceMesh, **wrap_kwargs: Any) -> nn.Module:
+def _tp_model(ref: nn.Module, dp: DeviceMesh, tp: TpMesh, **wrap_kwargs: Any) -> nn.Module:
     """A copy of ``ref`` with its MLPs parallelized on ``tp``, wrapped on ``dp``."""
     model = copy.deepcopy(ref)
     for block in model.layers:
-        parallelize_module(block, tp, MLP_PLAN)
+        parallelize_module(block, tp() if callable(tp) else tp, MLP_PLAN)
+    if callable(tp):
+        meshes = [block.up.weight.device_mesh for block in model.layers]
+        assert meshes[0] is not meshes[1] and meshes[0] == meshes[1], "want distinct equal meshes"
     return mf.fully_shard_matrix(model, dp, **wrap_kwargs)
+
+
+def _reference_model(heterogeneous: bool = False) -> nn.Module:
+    """The 2-block test transformer; ``heterogeneous``: the second block's MLP is narrower (24),
+    so DTensor's sharding cache, keyed by shape, cannot hand the first block's mesh object to the
+    second block's parameters (equal shapes would share one mesh object after all)."""
+    torch.manual_seed(0)
+    ref = TinyTransformer(dim=16, hidden=40, layers=2)
+    if heterogeneous:
+        ref.layers[1].up, ref.layers[1].down = nn.Linear(16, 24), nn.Linear(24, 16, bias=False)
+    return ref
 
 
 def _dp_coords(dp: DeviceMesh) -> tuple[int, int]:
@@ -106,10 +128,9 @@ def _full_params(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu() for k, v in values.items()}
 
 
-def _training(rank: int, world: int, hsdp: bool) -> None:
-    dp, tp = _meshes(hsdp)
-    torch.manual_seed(0)
-    ref = TinyTransformer(dim=16, hidden=40, layers=2)
+def _training(rank: int, world: int, hsdp: bool, per_block: bool = False) -> None:
+    dp, tp = _meshes(hsdp, per_block)
+    ref = _reference_model(per_block)
     model = _tp_model(ref, dp, tp)
     state = mf.get_state(model)
     tp_matrices = sorted(f for f, mp in state.params.items() if mp.tp is not None)
@@ -398,6 +419,39 @@ def _cases(rank: int, world: int, path: str) -> None:
 
 def test_tp_matches_single_process(tmp_path) -> None:
     run_world(4, _cases, str(tmp_path))
+
+
+def _per_block_muon(rank: int, world: int) -> None:
+    """Muon's whole-matrix TP step on a model whose blocks each got their own ``mesh["tp"]``."""
+    dp, tp = _meshes(hsdp=False, per_block=True)
+    ref = _reference_model(heterogeneous=True)
+    model = _tp_model(ref, dp, tp)
+    opt = mf.MatrixOptimizer(model, "muon", **E2E, ns_dtype="float32")
+    reference = _e2e_reference(ref, set(mf.get_state(model).params), "muon")
+    me, batches = _dp_coords(dp)
+    for step in range(2):
+        tokens = global_batch(step)
+        lm_loss(model, local_batch(tokens, me, batches)).backward()
+        _reference_backward(ref, tokens, batches)
+        opt.step()
+        reference.step()
+        opt.zero_grad()
+        assert_close_dicts(_full_params(model), reference_values(ref), 1e-5, f"step {step + 1}")
+
+
+def _per_block_cases(rank: int, world: int) -> None:
+    torch.set_num_threads(1)
+    run_subtests(rank, {
+        "dp2 x tp2, a mesh['tp'] per block": lambda: _training(rank, world, False, True),
+        "hsdp 1x2 x tp2, a mesh['tp'] per block": lambda: _training(rank, world, True, True),
+        "muon, a mesh['tp'] per block": lambda: _per_block_muon(rank, world),
+    })
+
+
+def test_tp_blocks_on_their_own_mesh_slices() -> None:
+    """Meshes are compared by value: each block parallelized with its own ``mesh["tp"]`` call
+    (equal, distinct DeviceMesh objects) wraps as one tp mesh and trains exactly."""
+    run_world(4, _per_block_cases)
 
 
 @pytest.mark.gpu

@@ -142,11 +142,15 @@ def _check_meshes(fqn: str, shape: tuple[int, ...], tp_mesh: DeviceMesh,
 
 
 def model_tp_mesh(model: nn.Module, dp_mesh: DeviceMesh) -> DeviceMesh | None:
-    """The one tp mesh of a model that ``parallelize_module`` has touched, else ``None``."""
-    meshes: dict[int, tuple[str, DeviceMesh]] = {}
+    """The one tp mesh of a model that ``parallelize_module`` has touched, else ``None``.
+
+    Meshes are compared by value (``DeviceMesh.__eq__``/``__hash__``): each ``mesh["tp"]`` call
+    returns an equal but distinct object, so blocks parallelized one call each share one mesh.
+    """
+    meshes: dict[DeviceMesh, tuple[str, DeviceMesh]] = {}
     for fqn, param in model.named_parameters():
         if isinstance(param, DTensor) and not is_expert_param(param):  # experts: runtime/experts
-            meshes.setdefault(id(param.device_mesh), (fqn, param.device_mesh))
+            meshes.setdefault(param.device_mesh, (fqn, param.device_mesh))
     if not meshes:
         return None
     if len(meshes) > 1:
