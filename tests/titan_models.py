@@ -1,0 +1,145 @@
+"""torchtitan 0.3.0's own model classes, built on CPU, and a one-process Muon reference.
+
+Test modules import this after ``pytest.importorskip("torchtitan")``. torchtitan's language
+models default to flex attention (no CPU backward) or varlen (no CPU kernel); ``cpu_attention``
+swaps each layer's inner attention for torchtitan's own ``ScaledDotProductAttention`` (causal,
+the same forward as the block-causal mask on one unpacked document per row).
+"""
+
+from __future__ import annotations
+
+import re
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+from torchtitan.models.common.attention import ScaledDotProductAttention
+from torchtitan.models.common.config_utils import make_ffn_config, make_gqa_config
+from torchtitan.models.llama3 import Llama3Model, Llama3TransformerBlock, model_registry
+
+from matrixfsdp.optim import get_matrix_optimizer
+
+from .dist_utils import test_device
+
+__all__ = [
+    "LR",
+    "MATRIX_NAMES",
+    "MUON",
+    "TAIL",
+    "TAIL_LR",
+    "WD",
+    "MuonReference",
+    "batch",
+    "build_llama3",
+    "cpu_attention",
+    "expected_matrices",
+    "shard",
+    "tiny_llama3_config",
+    "token_loss",
+]
+
+MUON = {"ns_dtype": "float32"}  # fp32 Newton–Schulz: bf16 would amplify reduction-order noise
+LR, TAIL_LR, WD = 0.02, 1e-3, 0.1
+TAIL = {"eps": 1e-8}
+# Every 2-D weight inside torchtitan's Llama3 blocks.
+MATRIX_NAMES = re.compile(r"layers\.\d+\.(attention\.(qkv_linear\.wqkv|wo)|feed_forward\.w[123])"
+                          r"\.weight")
+
+
+def cpu_attention(model: nn.Module) -> nn.Module:
+    """Each block's inner attention becomes torchtitan's ``ScaledDotProductAttention``."""
+    for block in model.layers.values():
+        block.attention.inner_attention = ScaledDotProductAttention(
+            ScaledDotProductAttention.Config())
+    return model
+
+
+def tiny_llama3_config(*, n_layers: int = 2, dim: int = 64, n_heads: int = 4,
+                       n_kv_heads: int = 2, vocab: int = 256) -> Llama3Model.Config:
+    """Llama3's classes at toy size, with GQA (two KV groups) so ``wqkv`` interleaves groups."""
+    init = {"weight": partial(nn.init.trunc_normal_, std=0.02), "bias": nn.init.zeros_}
+    ones = {"weight": nn.init.ones_}
+    rope = ComplexRoPE.Config(dim=dim // n_heads, max_seq_len=256, theta=500000, scaling="llama")
+    layer = Llama3TransformerBlock.Config(
+        attention_norm=RMSNorm.Config(normalized_shape=dim, param_init=ones),
+        ffn_norm=RMSNorm.Config(normalized_shape=dim, param_init=ones),
+        attention=make_gqa_config(dim=dim, n_heads=n_heads, n_kv_heads=n_kv_heads,
+                                  wqkv_param_init=init, wo_param_init=init,
+                                  inner_attention=ScaledDotProductAttention.Config(),
+                                  fuse_qkv=True, rope=rope),
+        feed_forward=make_ffn_config(dim=dim, hidden_dim=2 * dim, w1_param_init=init,
+                                     w2w3_param_init=init),
+    )
+    return Llama3Model.Config(
+        dim=dim, vocab_size=vocab,
+        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim,
+                                        param_init={"weight": partial(nn.init.normal_, std=1.0)}),
+        norm=RMSNorm.Config(normalized_shape=dim, param_init=ones),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=init),
+        layers=[layer] * n_layers,
+    )
+
+
+def build_llama3(flavor: str = "debugmodel", seed: int = 0,
+                 config: Llama3Model.Config | None = None) -> nn.Module:
+    """torchtitan's Llama3 (its registry's ``flavor``, or ``config``), initialized by its own
+    ``init_states`` from ``seed``, with CPU-trainable attention, on the test device."""
+    config = model_registry(flavor).model if config is None else config
+    torch.manual_seed(seed)
+    with torch.device(test_device()):
+        model = config.build()
+        model.init_states(buffer_device=test_device())
+    return cpu_attention(model)
+
+
+def expected_matrices(model: nn.Module) -> set[str]:
+    return {fqn for fqn, _ in model.named_parameters() if MATRIX_NAMES.fullmatch(fqn)}
+
+
+def batch(step: int, vocab: int, rows: int = 4, seq: int = 17) -> torch.Tensor:
+    g = torch.Generator().manual_seed(2000 + step)
+    return torch.randint(0, vocab, (rows, seq), generator=g).to(test_device())
+
+
+def shard(tokens: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    per = tokens.shape[0] // world
+    return tokens[rank * per:(rank + 1) * per]
+
+
+def token_loss(model: nn.Module, tokens: torch.Tensor, global_tokens: int | None = None
+               ) -> torch.Tensor:
+    """Next-token cross entropy: the mean over ``tokens``, or (torchtitan's rescaling) the sum
+    over them divided by ``global_tokens``, the token count of the whole data-parallel batch."""
+    logits = model(tokens[:, :-1])
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
+                           tokens[:, 1:].reshape(-1), reduction="sum")
+    return loss / (tokens[:, 1:].numel() if global_tokens is None else global_tokens)
+
+
+class MuonReference:
+    """One process: functional Muon on each named matrix, torch AdamW on every other parameter."""
+
+    def __init__(self, model: nn.Module, matrices: set[str]) -> None:
+        self.model = model
+        self.spec = get_matrix_optimizer("muon")
+        self.config = self.spec.make_config(MUON)
+        named = dict(model.named_parameters())
+        self.matrices = {f: named[f] for f in sorted(matrices)}
+        self.states = {f: self.spec.init_state_fn(p.detach(), self.config)
+                       for f, p in self.matrices.items()}
+        self.tail = torch.optim.AdamW([p for f, p in named.items() if f not in matrices],
+                                      lr=TAIL_LR, weight_decay=WD, **TAIL)
+        self.steps = 0
+
+    @torch.no_grad()
+    def step(self) -> None:
+        self.steps += 1
+        for fqn, p in self.matrices.items():
+            w = p.detach().clone()
+            self.spec.step_fn(w, p.grad.clone(), self.states[fqn], lr=LR, weight_decay=WD,
+                              step=self.steps, initial_lr=LR, config=self.config)
+            p.copy_(w)
+        self.tail.step()
+        self.model.zero_grad()
