@@ -14,13 +14,16 @@ from .registry import (
     matrix_optimizer_names,
     register_matrix_optimizer,
 )
+from .row_layout import RowLayout, qkv_row_layout
 
 __all__ = [
     "MatrixOptimizer",
     "MatrixOptimizerSpec",
     "RecommendedHyperparameters",
+    "RowLayout",
     "get_matrix_optimizer",
     "matrix_optimizer_names",
+    "qkv_row_layout",
     "recommended_hyperparameters",
     "recommended_optimizer_names",
     "register_matrix_optimizer",

@@ -7,47 +7,66 @@
   Views write through, so the step functions update the stored parameter in place and every
   shape rule they apply (Muon's learning-rate scale, OKLS/EMA-Gram shape factors, which Kronecker
   factor is left or right) sees the ``(out, in)`` matrix.
-- A *split* cuts the canonical matrix into blocks of given sizes along its output dim (rows:
-  ``q | k | v`` of a fused attention projection, ``gate | up`` of a fused MLP or expert stack);
-  each block is stepped as a separate matrix with its own state. Blocks are contiguous row
-  ranges: an interleaved fusion (gate and up rows alternating) cannot be split. No parameter is
-  split unless asked (``MatrixOptimizer(..., split=...)``): the default steps the matrix the model
-  defines, as ``torch.optim.Muon`` would.
+- A *split* cuts the canonical matrix into blocks of its output rows: contiguous blocks of given
+  sizes (``q | k | v`` of a fused attention projection, ``gate | up`` of a fused MLP or expert
+  stack), or any sets of rows (a ``RowLayout``: torchtitan's ``wqkv``, whose q, k and v rows
+  interleave per KV group, or one block per head; ``qkv_row_layout``). Each block is stepped as a
+  separate matrix with its own state. A block of consecutive rows is stepped through a view;
+  the others are gathered (``index_select``) into a contiguous copy of parameter and gradient,
+  stepped, and scattered back (``write_back_rows``) before the step returns: their transient
+  memory is one copy of those matrices' parameters and gradients. No parameter is split unless
+  asked (``MatrixOptimizer(..., split=...)``): the default steps the matrix the model defines, as
+  ``torch.optim.Muon`` would. A layout of one block is no split.
 - Optimizer state is kept in the canonical orientation, one set per block: the step function's
   own keys when unsplit, ``"<key>@<i>"`` for block ``i`` of a split matrix. Checkpoints store
-  these tensors as they are; the split is recorded in the matrix param group (``"split"``) and
-  loading state saved with another split or orientation is refused.
+  these tensors as they are; the split is recorded in the matrix param group (``"split"``, see
+  *stored split* below) and loading state saved with another split or orientation is refused.
+- The *stored split* (``group["split"]``, JSON in checkpoints) maps each split matrix's FQN to
+  its block sizes (``[64, 16, 16]``: contiguous blocks, the only form older releases wrote) or,
+  for other row layouts, to ``{"rows": [[[start, stop], ...], ...]}``: per block, its rows as
+  half-open runs in block order. A layout of contiguous blocks in order is stored as sizes
+  whichever form gave it, so equal layouts compare equal.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import functools
 from collections.abc import Callable, Mapping, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
 from ..planner import Plan
+from .row_layout import RowLayout, row_problem
 
 __all__ = [
     "MatrixLayout",
+    "RowLayout",
     "SplitSpec",
+    "block_row_indices",
     "block_state_key",
     "block_views",
     "canonical_view",
+    "describe_split",
+    "matrix_layout",
     "resolve_split",
+    "split_key",
+    "stored_split_problem",
 ]
 
-SplitSizes = int | Sequence[int]
+SplitSizes = int | Sequence[int] | Sequence[Sequence[int]] | RowLayout
 SplitSpec = Mapping[str, SplitSizes] | Callable[[str, tuple[int, ...]], SplitSizes | None]
+StoredBlocks = list[int] | dict[str, list[list[list[int]]]]  # see *stored split* in the Note
 
 
 class MatrixLayout(NamedTuple):
-    """How one parameter is stepped: its stored orientation and its block sizes (rows)."""
+    """How one parameter is stepped: its stored orientation and its blocks of rows."""
 
     orientation: str = "out_in"
-    split: tuple[int, ...] = ()  # () = one block, the whole matrix
+    split: tuple[int, ...] = ()  # contiguous block sizes; () = one block, the whole matrix
+    rows: tuple[tuple[int, ...], ...] = ()  # or: each block's row indices (gathered blocks)
 
 
 def canonical_view(t: Tensor, orientation: str) -> Tensor:
@@ -62,26 +81,115 @@ def canonical_view(t: Tensor, orientation: str) -> Tensor:
 
 
 def block_views(t: Tensor, layout: MatrixLayout) -> list[Tensor]:
-    """The canonical view of ``t``, cut into its blocks along the output dim."""
+    """The canonical view of ``t``, cut into its blocks along the output dim: views for
+    contiguous blocks, gathered copies for a row layout (see ``block_row_indices``)."""
     view = canonical_view(t, layout.orientation)
+    if layout.rows:
+        return [view.index_select(-2, rows) for rows in block_row_indices(layout, view.device)]
     if not layout.split:
         return [view]
     return list(torch.split(view, list(layout.split), dim=-2))
+
+
+def block_row_indices(layout: MatrixLayout, device: torch.device) -> tuple[Tensor, ...]:
+    """Per block of a row layout, its row indices as an int64 tensor on ``device`` (cached)."""
+    return _row_indices(layout.rows, torch.device(device))
+
+
+@functools.lru_cache(maxsize=256)
+def _row_indices(rows: tuple[tuple[int, ...], ...], device: torch.device) -> tuple[Tensor, ...]:
+    return tuple(torch.tensor(block, dtype=torch.int64, device=device) for block in rows)
 
 
 def block_state_key(key: str, index: int, num_blocks: int) -> str:
     return key if num_blocks == 1 else f"{key}@{index}"
 
 
+# -- the stored split ----------------------------------------------------------------------------
+def _runs(block: Sequence[int]) -> list[list[int]]:
+    """A block's rows as half-open ``[start, stop]`` runs of consecutive increasing rows."""
+    runs: list[list[int]] = []
+    for row in block:
+        if runs and runs[-1][1] == row:
+            runs[-1][1] = row + 1
+        else:
+            runs.append([row, row + 1])
+    return runs
+
+
+def _stored(layout: RowLayout) -> StoredBlocks | None:
+    """The stored form of a layout (None: one block, no split)."""
+    if len(layout.blocks) == 1:
+        return None
+    sizes = layout.contiguous_sizes()
+    if sizes is not None:
+        return list(sizes)
+    return {"rows": [_runs(block) for block in layout.blocks]}
+
+
+def _expand(stored: Mapping[str, Any]) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(r for start, stop in block for r in range(start, stop))
+                 for block in stored["rows"])
+
+
+def matrix_layout(orientation: str, stored: StoredBlocks | None) -> MatrixLayout:
+    """The ``MatrixLayout`` of a matrix from its stored split (None or empty: whole)."""
+    if not stored:
+        return MatrixLayout(orientation)
+    if isinstance(stored, Mapping):
+        return MatrixLayout(orientation, rows=_expand(stored))
+    return MatrixLayout(orientation, tuple(int(s) for s in stored))
+
+
+def split_key(split: Mapping[str, Any]) -> tuple:
+    """A hashable, order-free key of a stored split (to cache the layouts derived from it)."""
+    def freeze(value: Any) -> Any:
+        if isinstance(value, Mapping):
+            return tuple(sorted((k, freeze(v)) for k, v in value.items()))
+        if isinstance(value, (list, tuple)):
+            return tuple(freeze(v) for v in value)
+        return value
+    return freeze(dict(split))
+
+
+def describe_split(stored: StoredBlocks | None) -> str:
+    """A short account of one matrix's stored split, for error messages."""
+    if not stored:
+        return "whole (no split)"
+    if isinstance(stored, Mapping):
+        sizes = [sum(stop - start for start, stop in block) for block in stored["rows"]]
+        return f"row layout of {len(sizes)} blocks of {sizes} rows (not contiguous)"
+    return f"contiguous blocks of {list(stored)} rows"
+
+
+def stored_split_problem(split: Any) -> str | None:
+    """What is wrong with a stored split read from a checkpoint, or None."""
+    if not isinstance(split, Mapping):
+        return f"split must map matrix FQNs to blocks, got {type(split).__name__}"
+    for fqn, stored in split.items():
+        if isinstance(stored, list) and all(type(s) is int and s > 0 for s in stored):
+            continue
+        ok = (isinstance(stored, Mapping) and set(stored) == {"rows"}
+              and isinstance(stored["rows"], list)
+              and all(isinstance(block, list) and all(
+                  isinstance(run, list) and len(run) == 2 and all(type(r) is int for r in run)
+                  and 0 <= run[0] < run[1] for run in block) for block in stored["rows"]))
+        problem = row_problem(_expand(stored)) if ok else "not block sizes or {'rows': runs}"
+        if problem is not None:
+            return f"split[{fqn!r}] = {str(stored)[:120]}: {problem}"
+    return None
+
+
 # -- resolving the user's split ------------------------------------------------------------------
 def resolve_split(
     split: SplitSpec | None, plan: Plan, fqns: Sequence[str]
-) -> dict[str, list[int]]:
-    """``fqn -> block sizes`` for the matrices ``fqns`` that ``split`` cuts, validated.
+) -> dict[str, StoredBlocks]:
+    """``fqn -> stored split`` for the matrices ``fqns`` that ``split`` cuts, validated.
 
     ``split`` maps an FQN or an ``fnmatch`` pattern (``"*.attn.c_attn.weight"``) to a number of
-    equal blocks or to the block sizes along the canonical output dim, or is a callable
-    ``(fqn, canonical_shape) -> sizes | int | None``. Patterns that match no matrix are errors.
+    equal blocks, the block sizes along the canonical output dim, a ``RowLayout`` or a list of
+    blocks' row index lists, or is a callable ``(fqn, canonical_shape) -> any of those | None``.
+    Patterns that match no matrix are errors.
     """
     if split is None:
         return {}
@@ -101,9 +209,9 @@ def resolve_split(
         )
     out = {}
     for fqn, sizes in chosen.items():
-        blocks = _block_sizes(fqn, shapes[fqn], sizes)
-        if len(blocks) > 1:
-            out[fqn] = blocks
+        stored = _stored(_row_layout(fqn, shapes[fqn], sizes))
+        if stored is not None:
+            out[fqn] = stored
     return out
 
 
@@ -124,14 +232,22 @@ def _match_patterns(
             if fqn in chosen and _normalize(chosen[fqn]) != _normalize(sizes):
                 raise ValueError(
                     f"MatrixOptimizer.split: {fqn!r} matches {by_pattern[fqn]!r} "
-                    f"({chosen[fqn]!r}) and {pattern!r} ({sizes!r}); make the patterns disjoint"
+                    f"({_short(chosen[fqn])}) and {pattern!r} ({_short(sizes)}); make the "
+                    "patterns disjoint"
                 )
             chosen[fqn], by_pattern[fqn] = sizes, pattern
     return chosen
 
 
 def _normalize(sizes: SplitSizes) -> object:
-    return sizes if isinstance(sizes, int) else tuple(sizes)
+    if isinstance(sizes, (int, RowLayout)) or not isinstance(sizes, Sequence):
+        return sizes
+    return tuple(tuple(s) if isinstance(s, Sequence) else s for s in sizes)
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _no_match_message(pattern: str, plan: Plan, shapes: Mapping[str, tuple[int, ...]]) -> str:
@@ -150,24 +266,52 @@ def _no_match_message(pattern: str, plan: Plan, shapes: Mapping[str, tuple[int, 
     )
 
 
-def _block_sizes(fqn: str, shape: tuple[int, ...], sizes: SplitSizes) -> list[int]:
+def _row_layout(fqn: str, shape: tuple[int, ...], sizes: SplitSizes) -> RowLayout:
+    """The user's value for one matrix as a ``RowLayout`` of its rows, or a ``ValueError``
+    naming the FQN, the shape and the fix."""
     rows = shape[-2]
     where = (f"MatrixOptimizer.split[{fqn!r}] for the (out, in) matrix of shape {shape} "
              f"({rows} output rows)")
+    if isinstance(sizes, RowLayout):
+        if sizes.rows != rows:
+            raise ValueError(f"{where}: the RowLayout covers {sizes.rows} rows; build it for "
+                             f"this matrix's {rows} rows (qkv_row_layout: (n_heads + 2 * "
+                             "n_kv_heads) * head_dim rows)")
+        return sizes
     if isinstance(sizes, bool):
         raise ValueError(f"{where}: got {sizes!r}; give a number of blocks or their sizes")
     if isinstance(sizes, int):
         if sizes < 1 or rows % sizes:
             raise ValueError(f"{where}: {sizes} equal blocks do not divide {rows} rows; give the "
                              "block sizes instead, e.g. [q_rows, k_rows, v_rows]")
-        return [rows // sizes] * sizes
+        return RowLayout.from_permutation(range(rows), [rows // sizes] * sizes)
+    if (isinstance(sizes, Sequence) and not isinstance(sizes, (str, bytes)) and sizes
+            and all(isinstance(b, Sequence) and not isinstance(b, (str, bytes)) for b in sizes)):
+        return _explicit_rows(where, rows, sizes)
     try:
-        blocks = [int(s) for s in sizes]
+        blocks = [int(s) for s in sizes]  # type: ignore[union-attr]
     except (TypeError, ValueError):
-        raise ValueError(f"{where}: {sizes!r} is not a number of blocks or a list of sizes") from None
+        raise ValueError(f"{where}: {_short(sizes)} is not a number of blocks, a list of sizes, "
+                         "a list of row index lists or a RowLayout") from None
     exact = all(b == s for b, s in zip(blocks, sizes, strict=True))  # no silent 2.5 -> 2
     if not exact or any(b < 1 for b in blocks) or sum(blocks) != rows:
         raise ValueError(
             f"{where}: sizes {list(sizes)} must be positive integers summing to {rows}"
         )
-    return blocks
+    return RowLayout.from_permutation(range(rows), blocks)
+
+
+def _explicit_rows(where: str, rows: int, blocks: Sequence[Sequence[int]]) -> RowLayout:
+    """Row index lists per block, checked against the matrix's ``rows``."""
+    try:
+        as_tuples = tuple(tuple(block) for block in blocks)
+        if any(isinstance(r, bool) or not isinstance(r, int) for b in as_tuples for r in b):
+            raise TypeError
+    except TypeError:
+        raise ValueError(f"{where}: {_short(blocks)}: each block must list int row "
+                         "indices") from None
+    problem = row_problem(as_tuples, rows)
+    if problem is not None:
+        raise ValueError(f"{where}: {problem}. Give each of rows 0..{rows - 1} to exactly one "
+                         "block (qkv_row_layout builds torchtitan's wqkv layout)")
+    return RowLayout(as_tuples)

@@ -33,9 +33,17 @@ from ..api import get_state, global_grad_norm
 from ..collectives import Phase, comm_phase
 from ..nonfinite import discard_global_norm, take_global_norm
 from ..runtime.optim_state_view import install_optimizer_state_view
-from .layouts import MatrixLayout, SplitSpec, resolve_split
+from .layouts import MatrixLayout, SplitSpec, matrix_layout, resolve_split, split_key
 from .offload import StatePlacement, make_state_placement
-from .owner_step import OwnedMatrix, batch_owned, init_owned_state, local, owned_blocks, step_owned
+from .owner_step import (
+    OwnedMatrix,
+    batch_owned,
+    init_owned_state,
+    local,
+    owned_blocks,
+    step_owned,
+    write_back_rows,
+)
 from .registry import MatrixOptimizerSpec, get_matrix_optimizer
 from .tp_step import TpMatrix, WholeStepper, step_tp_matrices, tp_step_owners
 
@@ -84,8 +92,11 @@ class MatrixOptimizer(torch.optim.Optimizer):
         split: step fused matrices as separate blocks (see [Note: matrix views]): a mapping
             from a matrix FQN or ``fnmatch`` pattern to a number of equal blocks or to the block
             sizes along the output dim of its ``(out, in)`` matrix (e.g. ``{"*.attn.c_attn.weight":
-            3}`` for GPT-2's q|k|v, ``{"*.experts.gate_up_proj": 2}`` for gate|up), or a callable
-            ``(fqn, out_in_shape) -> sizes | int | None``. ``None`` (default): no split.
+            3}`` for GPT-2's q|k|v, ``{"*.experts.gate_up_proj": 2}`` for gate|up), to any sets
+            of rows (a ``RowLayout`` or a list of row index lists; ``qkv_row_layout(n_heads,
+            n_kv_heads, head_dim, per="qkv"|"head")`` for torchtitan's interleaved ``wqkv``),
+            or a callable ``(fqn, out_in_shape) -> any of those | None``. ``None`` (default):
+            no split.
         offload_state: ``"cpu"`` keeps owned matrices' optimizer state in host memory (pinned on
             CUDA), staged onto the device two matrices at a time while stepping, with the next
             matrix's copy-in overlapping the current one's math (see [Note: optimizer state
@@ -330,6 +341,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
         items = self._owned_items(owned, spec, config, layouts)
         for batch in self._placement.staged(batch_owned(items, self.batch_same_shape)):
             step_owned(spec, batch, hyper)
+        write_back_rows(items)  # blocks of a row layout were stepped as gathered copies
         if tp_owned:
             matrices = [TpMatrix(fqn, p, tp, owner, layouts[id(p)])
                         for p in tp_owned for fqn, tp, owner in (self._tp[id(p)],)]
@@ -355,12 +367,10 @@ class MatrixOptimizer(torch.optim.Optimizer):
     def _layouts(self, group: dict[str, Any]) -> dict[int, MatrixLayout]:
         """Each matrix's orientation (from the plan) and blocks (from the group's ``split``)."""
         split = group.get("split") or {}
-        key = tuple(sorted((k, tuple(v)) for k, v in split.items()))
+        key = split_key(split)
         if self._layout_cache is None or self._layout_cache[0] != key:
-            layouts = {
-                pid: MatrixLayout(self._orientation[pid], tuple(split.get(fqn, ())))
-                for pid, fqn in self._fqn_of.items()
-            }
+            layouts = {pid: matrix_layout(self._orientation[pid], split.get(fqn))
+                       for pid, fqn in self._fqn_of.items()}
             self._layout_cache = (key, layouts)
         return self._layout_cache[1]
 

@@ -16,11 +16,18 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from .layouts import MatrixLayout, block_state_key, block_views
+from .layouts import (
+    MatrixLayout,
+    block_row_indices,
+    block_state_key,
+    block_views,
+    canonical_view,
+)
 from .registry import MatrixOptimizerSpec
 
 __all__ = [
     "OwnedMatrix", "batch_owned", "init_owned_state", "local", "owned_blocks", "step_owned",
+    "write_back_rows",
 ]
 
 _WHOLE = MatrixLayout()
@@ -33,6 +40,7 @@ class OwnedMatrix(NamedTuple):
     grad: Tensor
     state: dict[str, Tensor]  # local views, without "step"
     step: int
+    home: tuple[Tensor, Tensor] | None = None  # gathered rows: (canonical view, row indices)
 
 
 def local(t: Tensor) -> Tensor:
@@ -83,10 +91,23 @@ def owned_blocks(
     n = len(params)
     first = block_state_key("", 0, n)  # the suffix of block 0's keys
     base = [k.removesuffix(first) for k in keys if k.endswith(first)]
+    homes: list[tuple[Tensor, Tensor] | None] = [None] * n
+    if layout.rows:  # gathered blocks: scattered back into the parameter by write_back_rows
+        view = canonical_view(local(p), layout.orientation)
+        homes = [(view, rows) for rows in block_row_indices(layout, view.device)]
     return [
-        OwnedMatrix(param, grad, {k: local(state[block_state_key(k, i, n)]) for k in base}, step)
+        OwnedMatrix(param, grad, {k: local(state[block_state_key(k, i, n)]) for k in base}, step,
+                    homes[i])
         for i, (param, grad) in enumerate(zip(params, grads, strict=True))
     ]
+
+
+def write_back_rows(items: Sequence[OwnedMatrix]) -> None:
+    """After the step: copy each gathered block (a row layout's) into its parameter's rows."""
+    for item in items:
+        if item.home is not None:
+            view, rows = item.home
+            view.index_copy_(-2, rows, item.param)
 
 
 def batch_owned(items: Sequence[OwnedMatrix], same_shape: bool) -> list[list[OwnedMatrix]]:

@@ -57,7 +57,14 @@ from torch.profiler import record_function
 from ..planner import COST_MODELS, matrix_cost
 from .layouts import MatrixLayout
 from .offload import OnDevice, StatePlacement
-from .owner_step import OwnedMatrix, batch_owned, init_owned_state, owned_blocks, step_owned
+from .owner_step import (
+    OwnedMatrix,
+    batch_owned,
+    init_owned_state,
+    owned_blocks,
+    step_owned,
+    write_back_rows,
+)
 from .registry import MatrixOptimizerSpec
 
 if TYPE_CHECKING:  # annotations only: the optimizer does not import the runtime's TP module
@@ -197,6 +204,7 @@ class WholeStepper:
             items += owned_blocks(whole.param, state, whole.matrix.layout, grad=whole.grad)
         for batch in self.placement.staged(batch_owned(items, self.batch_same_shape)):
             step_owned(self.spec, batch, dict(self.hyper))
+        write_back_rows(items)  # a row layout's gathered blocks, before the return exchange
 
 
 # -- the exchange ---------------------------------------------------------------------------------
