@@ -8,6 +8,10 @@ the report as markdown (``--out``), JSON and PNG next to it.
 
 ``python -m benchmarks.run tp-step ...``: the optimizer step of tensor-parallel matrices, three
 placements side by side plus the Llama-3-70B projection (``benchmarks/tp_step.py``, issue 22).
+
+``python -m benchmarks.run ep-step ...``: expert parallelism, step time, bytes and peak memory of
+matrixfsdp-EP against FSDP2-EP baselines plus the DeepSeek-V3 projection
+(``benchmarks/ep_step.py``, issue 27).
 """
 
 from __future__ import annotations
@@ -170,6 +174,11 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["ep-step"]:  # issue 27: its own options (``ep-step --help``)
+        from .ep_step import main as ep_step_main
+
+        ep_step_main(sys.argv[2:])
+        return
     if sys.argv[1:2] == ["tp-step"]:  # issue 22: its own options (``tp-step --help``)
         tp_step_main(sys.argv[2:])
         return
