@@ -123,7 +123,8 @@ def fully_shard_matrix(
             the weights and ``get_plan(model).notes`` says why.
         reshard_after_forward: free non-owned matrices after forward (regather in backward).
         mp_policy: FSDP2 ``MixedPrecisionPolicy``; matrices compute in ``param_dtype`` and reduce
-            in ``reduce_dtype`` (default: the parameter's own dtype), owners keep the master.
+            in ``reduce_dtype`` (default: the parameter's own dtype), in which no-sync
+            micro-batches also accumulate (as FSDP2's do); owners keep the master.
         planner: an ``LPTPlanner``, a cost-model name (``"bytes"``, ``"muon"``, ``"okls"``, ...)
             or a callable ``(specs, world_size) -> Plan``; ``None`` balances resident bytes.
         collectives: how owner segments move: one exchange of point-to-point sends per group,
@@ -276,7 +277,11 @@ def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -
     With sync off, every rank keeps its local full-size matrix gradients between backwards and
     nothing is communicated (under HSDP neither the reductions nor the all-reduce over the
     replicas); the next backward with sync on reduces the accumulated sum to the owners and
-    all-reduces it. The tail follows FSDP2's own flags (reduce-scatter and HSDP all-reduce).
+    all-reduces it. As FSDP2 does, the sum is kept in the reduction dtype (``reduce_dtype``, else
+    the parameter's dtype): under ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``
+    each no-sync backward's bf16 gradient is added into an fp32 accumulator, not summed in bf16
+    (see [Note: accumulation in reduce_dtype] in ``runtime/group.py``). The tail follows FSDP2's
+    own flags (reduce-scatter and HSDP all-reduce).
     """
     flag = bool(requires_gradient_sync)
     state = get_state(model)

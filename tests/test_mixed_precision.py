@@ -99,6 +99,57 @@ def _masters_keep_fp32_precision(rank: int, world: int) -> None:
     assert torch.isfinite(loss)
 
 
+MICRO = 32  # micro-batches of one accumulated step
+
+
+def _accumulated_reference(ref: torch.nn.Module, world: int, dtype: torch.dtype) -> dict:
+    """Every rank's bf16 backward of every micro-batch replayed on one process, each gradient
+    accumulated in ``dtype`` (rounding after every add), averaged over ranks in float64."""
+    out: dict = {}
+    for r in range(world):
+        ref16 = copy.deepcopy(ref).to(torch.bfloat16)
+        total: dict = {}
+        for m in range(MICRO):
+            (lm_loss(ref16, local_batch(global_batch(m), r, world)) / MICRO).backward()
+            for fqn, p in ref16.named_parameters():
+                if p.grad is not None:
+                    total[fqn] = p.grad.to(dtype) + total[fqn] if fqn in total else p.grad.to(dtype)
+                    p.grad = None
+        for fqn, g in total.items():
+            out[fqn] = out.get(fqn, 0) + g.double() / world
+    return out
+
+
+def _relative_errors(got: dict, want: dict) -> dict[str, float]:
+    return {f: ((got[f].double() - w).norm() / w.norm()).item() for f, w in want.items()}
+
+
+def _accumulation_in_reduce_dtype(rank: int, world: int) -> None:
+    """32 micro-batches with gradient sync off, bf16 compute, fp32 reduce_dtype: the matrices'
+    gradients accumulate in fp32 as FSDP2's do (see [Note: accumulation in reduce_dtype]), so
+    they match a float64-accumulated reference as closely as the FSDP2 tail's gradients do."""
+    ref, model = _pair()
+    mf.fully_shard_matrix(model, mp_policy=BF16)
+    state = mf.get_state(model)
+    for m in range(MICRO):
+        mf.set_requires_gradient_sync(model, m == MICRO - 1)
+        (lm_loss(model, local_batch(global_batch(m), rank, world)) / MICRO).backward()
+        if m == 0:  # the no-sync backward moves each bf16 gradient into an fp32 accumulator
+            held = [(mp.unsharded.grad, getattr(mp, "accumulated_grad", None))
+                    for mp in state.params.values()]
+    got = full_values(model, "grad")
+    want = _accumulated_reference(ref, world, torch.float64)
+    errors = _relative_errors(got, want)
+    matrix = max(e for f, e in errors.items() if f in state.params)
+    tail = max(e for f, e in errors.items() if f not in state.params)
+    assert matrix <= max(2 * tail, 1e-6), f"matrices err by {matrix:.2e}, the FSDP2 tail {tail:.2e}"
+    assert all(leaf is None for leaf, _ in held)
+    assert {acc.dtype for _, acc in held if acc is not None} == {torch.float32}
+    # The check can tell: gradients accumulated in bf16 (the leaf's dtype) err by far more.
+    bf16 = _relative_errors(_accumulated_reference(ref, world, torch.bfloat16), want)
+    assert min(bf16[f] for f in state.params if f in bf16) > 100 * max(matrix, tail), bf16
+
+
 def _world(rank: int, world: int) -> None:
     run_subtests(rank, {
         "grads_within_bf16_tolerance": functools.partial(_grads_within_bf16_tolerance, rank, world),
@@ -106,6 +157,16 @@ def _world(rank: int, world: int) -> None:
     })
 
 
+def _accumulation_world(rank: int, world: int) -> None:
+    torch.set_num_threads(1)
+    run_subtests(rank, {"accumulation in reduce_dtype": functools.partial(
+        _accumulation_in_reduce_dtype, rank, world)})
+
+
 @pytest.mark.parametrize("world", [1, 2])
 def test_mixed_precision(world: int) -> None:
     run_world(world, _world)
+
+
+def test_accumulation_in_reduce_dtype() -> None:
+    run_world(2, _accumulation_world)

@@ -58,6 +58,19 @@ class GradHandoff(NamedTuple):
 # same ``.grad`` (``None`` where no rank of any replica had a gradient), and no byte is added.
 
 
+# [Note: accumulation in reduce_dtype]
+# With gradient sync off (``set_requires_gradient_sync(False)``) gradients wait for a synced
+# backward to reduce them. Left in the unsharded leaf, autograd would sum the micro-batches in
+# the compute dtype: a bf16 running sum under ``MixedPrecisionPolicy(param_dtype=bf16)``, whose
+# rounding grows with the micro-batch count. As FSDP2 does for its parameters
+# (``FSDPParam.to_accumulated_grad_if_needed``), each no-sync backward of a group moves its
+# gradients into one accumulator per matrix in the reduction dtype (``reduce_dtype``, else the
+# parameter's own dtype: matrixfsdp reduces in it where FSDP2 would reduce in ``param_dtype``),
+# later backwards add theirs into it, and the synced backward reduces accumulator + its own
+# gradient (FSDP2's ``accumulate_unsharded_grad_if_needed``). A gradient already in the
+# reduction dtype accumulates in the leaf as before (no copy). Clearing: ``discard_accumulated``.
+
+
 class MatrixGroup:
     """The matrices gathered by one module's forward (a block, or the root).
 
@@ -134,7 +147,7 @@ class MatrixGroup:
             p.requires_grad = flag
             p.unsharded.requires_grad_(flag)
             if not flag:
-                p.unsharded.grad = None
+                p.unsharded.grad = p.accumulated_grad = None
         if self._unreduced is not None:
             logger.warning("matrixfsdp: group %r: requires_grad changed during HSDP accumulation; "
                            "the partial gradient sum kept for the replicas is dropped", self.name)
@@ -150,6 +163,29 @@ class MatrixGroup:
         self.value_numels = [sum(p.numel for p in owned) for owned in self.trainable_by]
         self.reduce_numels = [v + len(owned) for v, owned in zip(self.value_numels,
                                                                   self.trainable_by, strict=True)]
+
+    def accumulate_grads(self) -> None:
+        """Gradient sync off: move this backward's gradients into the reduction-dtype
+        accumulators (see [Note: accumulation in reduce_dtype]); on the compute stream."""
+        dtype = self._reduce_dtype()
+        for p in self.trainable:
+            grad = p.unsharded.grad
+            if grad is None or (p.accumulated_grad is None and grad.dtype == dtype):
+                continue
+            if p.accumulated_grad is None:
+                p.accumulated_grad = grad.to(dtype)
+            else:
+                p.accumulated_grad.add_(grad)
+            p.unsharded.grad = None
+
+    def discard_accumulated(self) -> bool:
+        """Drop the gradients held for a later reduction (sync off): the leaves' and the
+        accumulators'. True if any existed. Local: no collective."""
+        held = any(p.unsharded.grad is not None or p.accumulated_grad is not None
+                   for p in self.params)
+        for p in self.params:
+            p.unsharded.grad = p.accumulated_grad = None
+        return held
 
     def discard_unreduced(self) -> bool:
         """Drop the partial sum kept for the replicas (HSDP accumulation); True if one existed."""
@@ -240,16 +276,19 @@ class MatrixGroup:
         for owned, values in zip(self.trainable_by, self.value_numels, strict=True):
             offset, flag = segment, segment + values
             for p in owned:
-                grad = p.unsharded.grad
                 slot = flat[offset : offset + p.numel]
-                if grad is None:
+                parts = [g for g in (p.accumulated_grad, p.unsharded.grad) if g is not None]
+                if not parts:
                     slot.zero_()
-                else:
-                    slot.copy_(grad.reshape(-1))
+                for i, grad in enumerate(parts):  # [Note: accumulation in reduce_dtype]
+                    if i == 0:
+                        slot.copy_(grad.reshape(-1))
+                    else:
+                        slot.add_(grad.reshape(-1))
                     streams.ops.keep_until_done(grad, streams.reduce)  # made on compute
-                flat[flag] = 0.0 if grad is None else 1.0
+                flat[flag] = 1.0 if parts else 0.0
                 offset, flag = offset + p.numel, flag + 1
-                p.unsharded.grad = None
+                p.unsharded.grad = p.accumulated_grad = None
             segment = flag
         return flat
 

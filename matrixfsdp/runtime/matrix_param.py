@@ -111,6 +111,9 @@ class MatrixParam:
             torch.empty(self.shape, dtype=self.compute_dtype, device=self.device),
             requires_grad=self.requires_grad,
         )
+        # Gradient sync off: the micro-batches' sum in the reduction dtype (see [Note:
+        # accumulation in reduce_dtype] in ``group.py``); dropped with the leaf it came from.
+        self.accumulated_grad: torch.Tensor | None = None
         self._pins = self.is_owner and self.compute_dtype == self.dtype
         if self._pins:
             self.unsharded.data = self.sharded.data

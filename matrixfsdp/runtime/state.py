@@ -386,6 +386,8 @@ class MatrixFSDPState:
         if group.calls_pending == 0 and self.requires_grad_sync:
             with comm_phase(Phase.BACKWARD):
                 self._reduce(group)
+        elif group.calls_pending == 0:  # sync off: [Note: accumulation in reduce_dtype]
+            group.accumulate_grads()
         if self.reshard_after_backward:
             self._reshard(group)  # free non-owned storage now; another call's backward regathers
         else:
@@ -439,9 +441,11 @@ class MatrixFSDPState:
     def _final_callback(self) -> None:
         try:
             with comm_phase(Phase.BACKWARD):
-                if self.requires_grad_sync:
-                    for group in self.groups:  # registration order: the same on every rank
+                for group in self.groups:  # registration order: the same on every rank
+                    if self.requires_grad_sync:
                         self._reduce(group)
+                    else:  # what no post-backward moved yet ([Note: accumulation in reduce_dtype])
+                        group.accumulate_grads()
                 self._drain()
         finally:  # also when landing raised: leave no gathered copy behind (unless held)
             for group in self.groups:
