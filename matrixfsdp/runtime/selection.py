@@ -100,7 +100,8 @@ def container_blocks(module: nn.Module) -> list[nn.Module]:
       (they hold parameters and have submodules), so ``Sequential(Linear, GELU, Linear)`` or a
       dict of heads are no blocks, while the layers of a Llama (``ModuleDict`` "0", "1", ...) or
       timm's ``blocks = Sequential(Block, ...)`` are; a ``Sequential`` root holding an
-      embedding, the blocks and a head gives the blocks.
+      embedding, the blocks and a head gives the blocks. A ``ModuleDict`` keyed by layer
+      numbers gives every block, also one alone (a pipeline stage cut from a layer dict).
     """
     if isinstance(module, nn.ModuleList):
         return list(module)
@@ -109,6 +110,8 @@ def container_blocks(module: nn.Module) -> list[nn.Module]:
     children = list(module.children())
     candidates = [c for c in children if next(c.children(), None) is not None
                   and next(c.parameters(), None) is not None]
+    if isinstance(module, nn.ModuleDict) and candidates and all(k.isdigit() for k in module):
+        return candidates  # a layer dict "0", "1", ...: also a pipeline stage's single layer
     counts: dict[type, int] = {}
     for child in candidates:
         counts[type(child)] = counts.get(type(child), 0) + 1

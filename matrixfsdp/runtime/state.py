@@ -182,6 +182,7 @@ class MatrixFSDPState:
         self._forward_order: list[MatrixGroup] = []
         self._parked: list[MatrixGroup] = []  # recomputed, gathered, backward not started
         self._callback_queued = False
+        self._grad_forward_pending = False
         for group in self.groups:
             group.end_backward(accumulating=not self.requires_grad_sync)
 
@@ -266,11 +267,16 @@ class MatrixFSDPState:
         event, self.post_optim_event = self.post_optim_event, None
         if event is not None:  # FSDP2's set_post_optim_event: gathers follow the optimizer's work
             event.wait()
-        for group in self.groups:  # held groups stay gathered (FSDP2's reshard_after_backward)
-            if id(group) not in self._held:
+        for group in self.groups:  # held groups stay gathered (FSDP2's reshard_after_backward),
+            if id(group) not in self._held and not (  # and, as FSDP2 keeps them, groups kept
+                    not self.reshard_after_forward and group.calls_pending):  # for a backward
                 group.reshard()
             group.use_sharded()
-        self._reshard_tail()  # a forward that had no backward may have left it unsharded
+        # A forward that had no backward may have left the tail unsharded; one whose backward is
+        # pending (microbatches) or with reshard_after_backward off (pipelining) keeps it, as
+        # FSDP2 keeps the root's unit, for the backward.
+        if not self._grad_forward_pending and self.reshard_after_backward:
+            self._reshard_tail()
         self._root_forward_running = True
         if self._forward_order:  # a new forward: its groups are recorded again
             self._last_forward_order, self._forward_order = self._forward_order, []
@@ -281,6 +287,8 @@ class MatrixFSDPState:
         self._root_forward_running = False
         if not torch.is_grad_enabled():
             self._reshard_tail()  # no backward follows (see [Note: the tail after forward])
+        else:
+            self._grad_forward_pending = True  # until the end of a backward
 
     def _tail_from_root(self, group: MatrixGroup, starting: bool) -> None:
         """A group called on its own (not inside the model's forward) whose tail lives in the
@@ -493,6 +501,7 @@ class MatrixFSDPState:
         self.retire_pending()
         self._reshard_tail()
         self._root_forward_running, self._root_unsharded_for = False, None
+        self._grad_forward_pending = False
 
     def _find_fsdp_modules(self) -> list[FSDPModule]:
         if self._fsdp_modules is None:

@@ -24,7 +24,10 @@ gathered copy, and an optimizer step then updates the sharded parameters behind 
 forward would compute with the stale copy (measured on torch 2.13: a ``no_grad`` forward between
 backward and step moved the parameters 10% off a single process after 3 SGD steps). The runtime
 reshards the tail after every root forward run without grad, and again before every root forward
-(which then gathers fresh values); resharding an already sharded module is free.
+(which then gathers fresh values); resharding an already sharded module is free. Not while an
+earlier forward's backward is pending (microbatches: F F B B) or ``set_reshard_after_backward``
+is off (pipelining's microbatches): FSDP2 keeps the root's unit gathered for those backwards, and
+no optimizer step comes between (``MatrixOptimizer.step`` reshards everything first).
 
 [Note: tail units]
 Each group's matrices move with the runtime's collectives; the rest of the group's parameters (its
