@@ -130,6 +130,9 @@ def memory_figures(ranks: list[dict[str, Any]]) -> dict[str, Any]:
         "live": {ph: max(r["live_by_phase"][ph] for r in ranks) for ph in PHASES},
         "rss": {ph: max(r["rss_by_phase"][ph] - r["rss_before"] for r in ranks) for ph in PHASES},
         "live_start": max(r["live_start"] for r in ranks),
+        # per rank: the largest transient of one owner step call (0 where no call ran)
+        "owner_step": [max((c["transient"] for c in r.get("owner_steps", [])), default=0)
+                       for r in sorted(ranks, key=lambda r: r["rank"])],
     }
 
 

@@ -35,6 +35,7 @@ __all__ = ["SIZES", "main", "project_peak", "run"]
 SIZES: dict[str, dict[str, int]] = {
     "small": {"dim": 256, "layers": 4, "heads": 4, "mlp_hidden": 512},   # 6 MiB of matrices
     "large": {"dim": 768, "layers": 4, "heads": 12, "mlp_hidden": 1536},  # 72 MiB of matrices
+    "wide": {"dim": 512, "layers": 4, "heads": 8, "mlp_hidden": 2048},  # 48 MiB; largest 4 MiB
     "tiny": {"dim": 32, "layers": 2, "heads": 2, "mlp_hidden": 64, "vocab": 64, "seq_len": 16},
     "deep": {"dim": 32, "layers": 48, "heads": 4, "mlp_hidden": 64},  # latency-bound, 0.8 MiB
 }
@@ -51,13 +52,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--global-batch", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--ns-dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="Muon's Newton–Schulz dtype (matrixfsdp; the baselines step SGD-m)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/memory.md"))
     return p.parse_args(argv)
 
 
 def measure(size: str, world: int, args: argparse.Namespace) -> dict[str, Any]:
     fields = {"seq_len": args.seq_len, **SIZES[size]}
-    cfg = BenchConfig(model=ModelConfig(**fields), optim=OptimConfig.for_name("muon"),
+    cfg = BenchConfig(model=ModelConfig(**fields), optim=OptimConfig.for_name("muon", args.ns_dtype),
                       world_size=world, global_batch=args.global_batch, warmup=args.warmup,
                       steps=1, strategies=tuple(s for s in args.strategies
                                       if s in (*ALL, *EXTRA_STRATEGIES)))
@@ -69,9 +72,10 @@ def measure(size: str, world: int, args: argparse.Namespace) -> dict[str, Any]:
     from .model import build_gpt
 
     model = build_gpt(cfg.model)
-    matrices = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
-                   if n.startswith("layers.") and p.ndim == 2)
-    return {"figures": out, "matrix_bytes": matrices, "model": dataclasses.asdict(cfg.model)}
+    sizes = [p.numel() * p.element_size() for n, p in model.named_parameters()
+             if n.startswith("layers.") and p.ndim == 2]
+    return {"figures": out, "matrix_bytes": sum(sizes), "largest_matrix": max(sizes),
+            "model": dataclasses.asdict(cfg.model)}
 
 
 # -- analytic projection ------------------------------------------------------------------------
@@ -186,6 +190,7 @@ def render(results: dict[str, Any]) -> str:
                              f"{world} | {STRATEGY_LABELS.get(name, name)} | {live} | "
                              f"{fmt_bytes(_peak(m, 'live'))} | {ratio[0]} | "
                              f"{fmt_bytes(_peak(m, 'rss'))} | {ratio[1]} |")
+    lines += _render_owner_steps(results)
     lines += ["", "Projection (activations excluded), peak bytes per rank:", "",
               "| model | ranks | FSDP2 + SGD-m | FSDP2 + Muon recon | matrixfsdp + Muon | "
               "÷ SGD-m | plan max/mean bytes |", "|---|---|---|---|---|---|---|"]
@@ -194,6 +199,25 @@ def render(results: dict[str, Any]) -> str:
                      f"{fmt_bytes(pr['fsdp2_recon'])} | {fmt_bytes(pr['matrixfsdp'])} | "
                      f"{pr['matrixfsdp'] / pr['fsdp2_sgdm']:.2f}x | {pr['imbalance']:.3f} |")
     return "\n".join(lines) + "\n"
+
+
+def _render_owner_steps(results: dict[str, Any]) -> list[str]:
+    """The largest owner step call's transient bytes per rank, beside the largest matrix."""
+    lines = ["", f"Owner step transients per rank (Newton–Schulz in {results['ns_dtype']}; the "
+             "largest of one `step_owned` call's peak above its start):", "",
+             "| model | world | strategy | largest matrix | transient per rank | max ÷ largest |",
+             "|---|---|---|---|---|---|"]
+    for size, worlds in results["measured"].items():
+        for world, r in worlds.items():
+            largest = r["largest_matrix"]
+            for name, m in r["figures"].items():
+                per_rank = m.get("owner_step") or []
+                if not any(per_rank):
+                    continue
+                cells = " / ".join(fmt_bytes(b) for b in per_rank)
+                lines.append(f"| {size} | {world} | {STRATEGY_LABELS.get(name, name)} | "
+                             f"{fmt_bytes(largest)} | {cells} | {max(per_rank) / largest:.2f}× |")
+    return lines
 
 
 def _log(msg: str) -> None:
@@ -211,7 +235,8 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
                   for preset in ("llama3-8b", "llama3-70b") for world in (8, 64)}
     results = {"command": " ".join(["python -m benchmarks.memory", *argv]),
                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-               "wall_s": time.time() - start, "measured": measured, "projection": projection}
+               "wall_s": time.time() - start, "measured": measured, "projection": projection,
+               "ns_dtype": args.ns_dtype}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(render(results))
     serializable = {**results, "projection": {f"{k[0]}@{k[1]}": v for k, v in projection.items()}}

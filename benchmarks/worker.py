@@ -26,6 +26,7 @@ from .measure import (
     track_live_memory,
 )
 from .model import build_gpt, global_tokens, lm_loss, local_tokens
+from .step_memory import owner_step_transients
 from .strategies import Strategy, StrategyContext, build_strategy, owner_plan
 from .strategies.base import MatrixStepper
 
@@ -138,7 +139,8 @@ def memory_worker(rank: int, world: int, cfg: BenchConfig, name: str) -> dict[st
     After the warm-up steps (so optimizer state exists), one step phase by phase with the
     kernel's RSS high-water mark reset before each phase (glibc told to unmap freed memory at once,
     so RSS follows live memory), then one step under a ``LiveBytesTracker`` that follows every
-    tensor (live tensor bytes; parameters, gradients and optimizer state included).
+    tensor (live tensor bytes; parameters, gradients and optimizer state included), recording
+    each owner step call's transient bytes (``step_memory.owner_step_transients``).
     """
     live = track_live_memory()
     before = rss_bytes()
@@ -153,12 +155,12 @@ def memory_worker(rank: int, world: int, cfg: BenchConfig, name: str) -> dict[st
     tracked = s.resident_tensors()
     tracker = LiveBytesTracker().track(*tracked.values())
     start = tracker.current
-    with tracker:
+    with tracker, owner_step_transients(tracker) as owner_steps:
         _phase_peaks(s, _tokens(cfg, step + 2, rank, world), tracker)
     return {"rank": rank, "rss_before": before, "peak_rss": max(rss.values()),
             "rss_by_phase": rss, "live_start": start,
             "live_by_phase": {ph: p.peak for ph, p in tracker.phases.items()},
-            "hwm_reset": reset_ok, "live_tracking": live}
+            "owner_steps": owner_steps, "hwm_reset": reset_ok, "live_tracking": live}
 
 
 def _phase_peaks(s: Strategy, tokens: torch.Tensor,

@@ -90,7 +90,7 @@ class LiveBytesTracker(TorchDispatchMode):
         self.current = 0
         self.peak = 0
         self.phases: dict[str, PhasePeak] = {}
-        self._phase: str | None = None
+        self._active: list[str] = []  # the phases entered and not left, outermost first
         self._counted: dict[int, int] = {}  # storage key -> bytes currently counted for it
         self._finalizers: list[weakref.finalize] = []
         self._lock = threading.Lock()
@@ -129,23 +129,25 @@ class LiveBytesTracker(TorchDispatchMode):
         self.current += delta
         if self.current > self.peak:
             self.peak = self.current
-        if self._phase is not None:
-            start, peak = self.phases[self._phase]
+        for name in self._active:
+            start, peak = self.phases[name]
             if self.current > peak:
-                self.phases[self._phase] = PhasePeak(start, self.current)
+                self.phases[name] = PhasePeak(start, self.current)
 
     # -- phases -----------------------------------------------------------------------------------
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        """Attribute the peak of the block to ``name`` (a repeated name keeps the higher peak)."""
-        previous = self._phase
+        """Attribute the peak of the block to ``name`` (a repeated name keeps the higher peak).
+
+        Phases nest: an enclosing phase keeps counting while an inner one is open, so
+        ``phases[inner].peak - phases[inner].start`` is what the inner block added on top."""
         old = self.phases.get(name)
         self.phases[name] = PhasePeak(self.current, max(self.current, old.peak if old else 0))
-        self._phase = name
+        self._active.append(name)
         try:
             yield
         finally:
-            self._phase = previous
+            self._active.pop()
 
     # -- dispatch ---------------------------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:

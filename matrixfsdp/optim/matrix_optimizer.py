@@ -37,10 +37,12 @@ from .layouts import MatrixLayout, SplitSpec, matrix_layout, resolve_split, spli
 from .offload import StatePlacement, make_state_placement
 from .owner_step import (
     OwnedMatrix,
+    StepBatching,
     batch_owned,
     init_owned_state,
     local,
     owned_blocks,
+    resolve_batching,
     step_owned,
     write_back_rows,
 )
@@ -89,6 +91,8 @@ class MatrixOptimizer(torch.optim.Optimizer):
             batched eigh instead of B small calls; the result equals the unbatched step up to
             rounding). ``None`` (default) batches on CUDA, where it saves kernel launches, and
             not on CPU, where stacking measured slower (Muon 136 vs 111 ms) and costs memory.
+            A ``StepBatching`` sets the cap on the bytes one batch stacks (default: the larger
+            of the largest matrix's and 16 MiB; see [Note: owner step transients]).
         split: step fused matrices as separate blocks (see [Note: matrix views]): a mapping
             from a matrix FQN or ``fnmatch`` pattern to a number of equal blocks or to the block
             sizes along the output dim of its ``(out, in)`` matrix (e.g. ``{"*.attn.c_attn.weight":
@@ -140,7 +144,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
         tail_weight_decay: float = 0.0,
         *,
         tail_optimizer_kwargs: Mapping[str, Any] | None = None,
-        batch_same_shape: bool | None = None,
+        batch_same_shape: bool | StepBatching | None = None,
         split: SplitSpec | None = None,
         offload_state: str | None = None,
         skip_nonfinite: bool = False,
@@ -191,11 +195,12 @@ class MatrixOptimizer(torch.optim.Optimizer):
         super().__init__(groups, {})
         self._config_cache: tuple[tuple, Any] | None = None
         self._layout_cache: tuple[tuple, dict[int, MatrixLayout]] | None = None
+        asked = getattr(batch_same_shape, "same_shape", batch_same_shape)  # StepBatching or bool
         self._placement = _placement(offload_state, matrices, runtime.plan.sharded_stacks,
-                                     self._matrix_cls, batch_same_shape)
-        if batch_same_shape is None:
-            batch_same_shape = any(p.is_cuda for p in matrices) and not self._placement.offloaded
-        self.batch_same_shape = bool(batch_same_shape)
+                                     self._matrix_cls, asked)
+        self.step_batching = resolve_batching(
+            batch_same_shape, any(p.is_cuda for p in matrices) and not self._placement.offloaded)
+        self.batch_same_shape = self.step_batching.same_shape
         self.skip_nonfinite = bool(skip_nonfinite)
         self.skipped_steps = 0  # steps skipped for a non-finite gradient norm (this process)
         self.last_step_skipped = False
@@ -339,13 +344,13 @@ class MatrixOptimizer(torch.optim.Optimizer):
                  "initial_lr": group["initial_lr"], "config": config}
         layouts = self._layouts(group)
         items = self._owned_items(owned, spec, config, layouts)
-        for batch in self._placement.staged(batch_owned(items, self.batch_same_shape)):
+        for batch in self._placement.staged(batch_owned(items, self.step_batching)):
             step_owned(spec, batch, hyper)
         write_back_rows(items)  # blocks of a row layout were stepped as gathered copies
         if tp_owned:
             matrices = [TpMatrix(fqn, p, tp, owner, layouts[id(p)])
                         for p in tp_owned for fqn, tp, owner in (self._tp[id(p)],)]
-            stepper = WholeStepper(spec, hyper, self.state, self._placement, self.batch_same_shape)
+            stepper = WholeStepper(spec, hyper, self.state, self._placement, self.step_batching)
             self.tp_step_bytes += step_tp_matrices(matrices, stepper).bytes_sent
 
     def _owned_items(

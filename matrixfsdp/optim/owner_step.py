@@ -5,11 +5,28 @@ stacks (FSDP2 ``Shard(0)`` of an ``(E, m, n)`` stack holds whole experts; see
 [Note: plan vocabulary]). Both are stepped from their local tensors, through their canonical
 ``(out, in)`` views cut into blocks (see [Note: matrix views]); sharded-stack state is kept as
 ``Shard(0)`` DTensors so checkpoints reshard it like any FSDP2 state.
+
+[Note: owner step transients]
+What an owner's step allocates beyond its parameters, gradients and state, and how it is bounded
+(measured per rank by ``python -m benchmarks.memory``, BENCHMARKS §20):
+- One matrix, Muon: the Newton–Schulz input ``X`` in ``ns_dtype`` (built from the fp32 gradient
+  and momentum a few rows at a time, so no fp32 copy of the direction exists), normalised in
+  place; per iteration the Gram ``A`` (freed before the new ``X`` exists), ``B = bA + cA²`` and
+  the new ``X``; the update is added to the parameter in place, casting as it reads. Peak:
+  ``2|X| + min(m, n)²`` elements of ``ns_dtype``: 1.25× the fp32 matrix in bf16 for a 1:2
+  matrix, 1.5× for a square one (it was 2.5× and 3×: an fp32 direction, the bf16 copy, its
+  normalised copy and the Gram all alive at once).
+- A batch (``batch_same_shape``): ``step_owned`` stacks each item's parameter, gradient and
+  state into ``(B, *shape)`` copies, then the step's own transients for the batch. A batch is
+  capped by those stacked bytes (``StepBatching.max_bytes``; default the larger of the largest
+  item's and ``DEFAULT_BATCH_BYTES``), not by a matrix count, so batching adds at most about
+  1.5× ``max(largest matrix, DEFAULT_BATCH_BYTES)`` for Muon, whatever the number of matrices.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -26,11 +43,14 @@ from .layouts import (
 from .registry import MatrixOptimizerSpec
 
 __all__ = [
-    "OwnedMatrix", "batch_owned", "init_owned_state", "local", "owned_blocks", "step_owned",
-    "write_back_rows",
+    "DEFAULT_BATCH_BYTES", "OwnedMatrix", "StepBatching", "batch_owned", "init_owned_state",
+    "local", "owned_blocks", "resolve_batching", "stacked_bytes", "step_owned", "write_back_rows",
 ]
 
 _WHOLE = MatrixLayout()
+
+DEFAULT_BATCH_BYTES = 16 << 20
+"""Floor of the default cap on a batch's stacked bytes (see [Note: owner step transients])."""
 
 
 class OwnedMatrix(NamedTuple):
@@ -110,22 +130,74 @@ def write_back_rows(items: Sequence[OwnedMatrix]) -> None:
             view.index_copy_(-2, rows, item.param)
 
 
-def batch_owned(items: Sequence[OwnedMatrix], same_shape: bool) -> list[list[OwnedMatrix]]:
-    """Items grouped by (shape, dtypes, device, step count), in order; singletons if disabled."""
-    if not same_shape:
+@dataclass(frozen=True)
+class StepBatching:
+    """How an owner groups same-shape matrices into one step call (``(B, m, n)`` stacks).
+
+    ``same_shape``: batch same-shape items at all. ``max_bytes``: the most bytes one batched
+    call may stack (each item's parameter, gradient and state tensors; an item above it steps
+    alone); ``None`` means ``max(largest item's bytes, DEFAULT_BATCH_BYTES)`` among the items of
+    the call. See [Note: owner step transients].
+    """
+
+    same_shape: bool = False
+    max_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.same_shape, bool):
+            raise ValueError(f"StepBatching.same_shape must be a bool, got {self.same_shape!r}")
+        cap = self.max_bytes
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+            raise ValueError(f"StepBatching.max_bytes must be None or an int >= 1, got {cap!r}")
+
+    def cap(self, items: Sequence[OwnedMatrix]) -> int:
+        """The byte cap for a step call over ``items``."""
+        if self.max_bytes is not None:
+            return self.max_bytes
+        return max([DEFAULT_BATCH_BYTES, *(stacked_bytes(item) for item in items)])
+
+
+def resolve_batching(value: bool | StepBatching | None, default: bool) -> StepBatching:
+    """``MatrixOptimizer(batch_same_shape=...)`` as a policy: a bool (``None``: ``default``)
+    batches under the default cap; a ``StepBatching`` is used as it is."""
+    if isinstance(value, StepBatching):
+        return value
+    return StepBatching(default if value is None else bool(value))
+
+
+def stacked_bytes(item: OwnedMatrix) -> int:
+    """Bytes ``step_owned`` copies to stack ``item`` into a batch: parameter, gradient, state."""
+    tensors = (item.param, item.grad, *item.state.values())
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def batch_owned(
+    items: Sequence[OwnedMatrix], same_shape: bool | StepBatching
+) -> list[list[OwnedMatrix]]:
+    """Items grouped by (shape, dtypes, device, step count), in order, each group cut into
+    batches of at most the policy's stacked bytes; singletons if batching is disabled."""
+    policy = same_shape if isinstance(same_shape, StepBatching) else StepBatching(bool(same_shape))
+    if not policy.same_shape:
         return [[item] for item in items]
-    batches: dict[tuple, list[OwnedMatrix]] = {}
+    groups: dict[tuple, list[OwnedMatrix]] = {}
     for item in items:
         key = (tuple(item.param.shape), item.param.dtype, item.grad.dtype, item.param.device,
                item.step, tuple(sorted(item.state)))
-        batches.setdefault(key, []).append(item)
-    return list(batches.values())
+        groups.setdefault(key, []).append(item)
+    cap = policy.cap(items)
+    batches: list[list[OwnedMatrix]] = []
+    for group in groups.values():
+        per_item = stacked_bytes(group[0])  # one shape and dtype per group
+        size = max(1, cap // max(1, per_item))
+        batches += [group[i:i + size] for i in range(0, len(group), size)]
+    return batches
 
 
 def step_owned(spec: MatrixOptimizerSpec, batch: Sequence[OwnedMatrix], hyper: dict[str, Any]) -> None:
     """One step on a batch: a direct call for one item, else on ``(B, *shape)`` stacks.
 
-    Stacking copies O(m·n + state) per matrix, small beside the O(d³) math it batches.
+    Stacking copies each item's parameter, gradient and state (``stacked_bytes``), which
+    ``batch_owned`` caps per call (see [Note: owner step transients]).
     """
     step = batch[0].step
     if len(batch) == 1:

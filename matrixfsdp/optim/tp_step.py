@@ -59,6 +59,7 @@ from .layouts import MatrixLayout
 from .offload import OnDevice, StatePlacement
 from .owner_step import (
     OwnedMatrix,
+    StepBatching,
     batch_owned,
     init_owned_state,
     owned_blocks,
@@ -190,7 +191,7 @@ class WholeStepper:
     hyper: Mapping[str, Any]
     state: MutableMapping[Tensor, dict[str, Any]]
     placement: StatePlacement = field(default_factory=OnDevice)
-    batch_same_shape: bool = False
+    batch_same_shape: bool | StepBatching = False
 
     def __call__(self, wholes: Sequence[WholeMatrix]) -> None:
         items: list[OwnedMatrix] = []

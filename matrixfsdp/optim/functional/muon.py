@@ -19,6 +19,7 @@ touched by the orthogonalisation.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -27,7 +28,13 @@ from torch import Tensor
 from ._linalg import batched_addmm, dtype_from_name
 from .config import MuonConfig
 
-__all__ = ["muon_adjusted_lr", "muon_init_state", "muon_step", "zeropower_via_newton_schulz"]
+__all__ = [
+    "muon_adjusted_lr", "muon_init_state", "muon_step", "newton_schulz_input",
+    "zeropower_via_newton_schulz",
+]
+
+# Bytes of gradient rows per chunk when the Newton–Schulz input is built in another dtype.
+_CHUNK_BYTES = 1 << 20
 
 
 def zeropower_via_newton_schulz(
@@ -42,22 +49,69 @@ def zeropower_via_newton_schulz(
     ``X = x / max(||x||_F, eps)`` in ``dtype`` (per matrix), transposed when
     ``m > n`` so ``X X^T`` is the small Gram; then ``steps`` times
     ``A = X X^T``, ``B = b A + c A A``, ``X = a X + B X``. The result is in
-    ``dtype`` with the shape of ``x``.
+    ``dtype`` with the shape of ``x``; ``x`` is not modified.
+    """
+    return _newton_schulz_(x.to(dtype, copy=True), coefficients, steps, eps)
+
+
+def _newton_schulz_(
+    X: Tensor, coefficients: tuple[float, float, float], steps: int, eps: float
+) -> Tensor:
+    """:func:`zeropower_via_newton_schulz` of a fresh ``X`` that it may overwrite.
+
+    Transients (see [Note: owner step transients]): ``X`` is normalised in place, and each
+    iteration frees the Gram ``A`` before the new ``X`` exists, so at most ``X``, ``B`` and the
+    new ``X`` are alive at once: ``2 |X| + min(m, n)^2`` elements of ``dtype``. The operations
+    and their operands' layouts are those of ``torch.optim.Muon``, so the result is the same.
     """
     a, b, c = coefficients
-    tall = x.size(-2) > x.size(-1)
-    X = x.to(dtype)
+    tall = X.size(-2) > X.size(-1)
     if tall:
         X = X.mT
     if X.dim() == 2:
-        X = X / X.norm().clamp(min=eps)
+        X.div_(X.norm().clamp(min=eps))
     else:
-        X = X / torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True).clamp(min=eps)
+        X.div_(torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True).clamp(min=eps))
     for _ in range(steps):
         gram = X @ X.mT
         update = batched_addmm(gram, gram, gram, beta=b, alpha=c)
+        del gram
         X = batched_addmm(X, update, X, beta=a, alpha=1.0)
+        del update
     return X.mT if tall else X
+
+
+def _chunk_rows(t: Tensor, limit: int) -> int:
+    """Rows per chunk of ``t`` (*, m, n) along dim -2: about ``limit`` bytes of its dtype, a
+    multiple of 64 (so elementwise kernels vectorize the chunks as they do the whole matrix)."""
+    rows = limit // max(1, t.size(-1) * t.element_size()) // 64 * 64
+    return max(64, rows)
+
+
+def newton_schulz_input(
+    grad: Tensor, buf: Tensor, momentum: float, nesterov: bool, dtype: torch.dtype
+) -> Tensor:
+    """The Newton–Schulz input as a fresh tensor of ``dtype``: ``grad.lerp(buf, mu).to(dtype)``
+    with Nesterov (``grad``'s layout), else ``buf.to(dtype)``.
+
+    In ``grad``'s own dtype that is one fresh tensor. In another (bf16 Newton–Schulz of an
+    fp32 gradient) it is filled one matrix and at most ``_CHUNK_BYTES`` of rows at a time, so
+    the full-size ``grad``-dtype direction is never materialised.
+    """
+    if not nesterov:
+        return buf.to(dtype, copy=True)
+    if dtype == grad.dtype:
+        return grad.lerp(buf, momentum)
+    out = torch.empty_like(grad, dtype=dtype)
+    step = _chunk_rows(grad, _CHUNK_BYTES)
+    m = grad.size(-2)
+    for index in itertools.product(*(range(s) for s in grad.shape[:-2])):
+        g, bf, o = grad[index], buf[index], out[index]
+        for start in range(0, m, step):
+            rows = min(step, m - start)
+            o.narrow(0, start, rows).copy_(
+                g.narrow(0, start, rows).lerp(bf.narrow(0, start, rows), momentum))
+    return out
 
 
 def muon_adjusted_lr(lr: float, adjust_lr_fn: str | None, m: int, n: int) -> float:
@@ -91,15 +145,12 @@ def muon_step(
     del step, initial_lr
     buf = state["momentum_buffer"]
     buf.lerp_(grad, 1 - config.momentum)
-    direction = grad.lerp(buf, config.momentum) if config.nesterov else buf
-    ortho = zeropower_via_newton_schulz(
-        direction,
-        config.ns_coefficients,
-        config.ns_steps,
-        config.eps,
-        dtype_from_name(config.ns_dtype),
+    dtype = dtype_from_name(config.ns_dtype)
+    ortho = _newton_schulz_(
+        newton_schulz_input(grad, buf, config.momentum, config.nesterov, dtype),
+        config.ns_coefficients, config.ns_steps, config.eps,
     )
     m, n = param.shape[-2], param.shape[-1]
     adjusted_lr = muon_adjusted_lr(lr, config.adjust_lr_fn, m, n)
     param.mul_(1 - lr * weight_decay)
-    param.add_(ortho, alpha=-adjusted_lr)
+    param.add_(ortho, alpha=-adjusted_lr)  # in place, casting bf16 elements as it reads them

@@ -1,0 +1,175 @@
+"""The owner step's transient bytes, and the batched step's speed: ``python -m benchmarks.step_memory``.
+
+Part 1 (memory): for each matrix shape and Newton–Schulz dtype, one Muon ``step_owned`` call on
+``B`` same-shape owned matrices under a ``LiveBytesTracker``; the transient is the call's peak
+live bytes above the live bytes before it (parameters, gradients and momentum excluded), shown
+beside the fp32 matrix's bytes. ``B > 1`` goes through ``batch_owned`` with the given
+``StepBatching`` (uncapped: ``max_bytes`` = everything; capped: the default).
+
+Part 2 (speed): the whole owner step (``batch_owned`` + ``step_owned``) over ``--count`` small
+same-shape matrices, batched uncapped, batched with the default cap, and unbatched; median of
+``--repeats`` after a warm-up, one thread.
+
+See [Note: owner step transients] in ``matrixfsdp.optim.owner_step`` and BENCHMARKS §20.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import statistics
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from matrixfsdp.memory import LiveBytesTracker
+from matrixfsdp.optim import matrix_optimizer
+from matrixfsdp.optim.functional import MuonConfig
+from matrixfsdp.optim.owner_step import OwnedMatrix, StepBatching, batch_owned, step_owned
+from matrixfsdp.optim.registry import get_matrix_optimizer
+
+__all__ = ["main", "owner_step_transient", "owner_step_transients", "time_owner_step"]
+
+logger = logging.getLogger(__name__)
+_UNCAPPED = StepBatching(True, max_bytes=1 << 62)
+
+
+@contextlib.contextmanager
+def owner_step_transients(tracker: LiveBytesTracker) -> Iterator[list[dict[str, Any]]]:
+    """While active, every ``step_owned`` call of ``MatrixOptimizer.step`` appends
+    ``{"transient": bytes, "batch": B, "shape": [...], "param_bytes": one item's bytes}``:
+    its peak live bytes above its start (the tracker must be active around the step)."""
+    original = matrix_optimizer.step_owned
+    calls: list[dict[str, Any]] = []
+
+    def recording(spec: Any, batch: Any, hyper: Any) -> None:
+        name = f"owner_step#{len(calls)}"
+        with tracker.phase(name):
+            original(spec, batch, hyper)
+        phase = tracker.phases.pop(name)
+        p = batch[0].param
+        calls.append({"transient": phase.peak - phase.start, "batch": len(batch),
+                      "shape": list(p.shape), "param_bytes": p.numel() * p.element_size()})
+
+    matrix_optimizer.step_owned = recording  # type: ignore[assignment]
+    try:
+        yield calls
+    finally:
+        matrix_optimizer.step_owned = original  # type: ignore[assignment]
+
+
+def _items(shape: tuple[int, ...], count: int, seed: int = 0) -> list[OwnedMatrix]:
+    gen = torch.Generator().manual_seed(seed)
+    return [OwnedMatrix(torch.randn(shape, generator=gen), torch.randn(shape, generator=gen),
+                        {"momentum_buffer": torch.randn(shape, generator=gen)}, 3)
+            for _ in range(count)]
+
+
+def _step(items: list[OwnedMatrix], batching: StepBatching, config: MuonConfig) -> None:
+    spec = get_matrix_optimizer("muon")
+    hyper = {"lr": 0.02, "weight_decay": 0.01, "initial_lr": 0.02, "config": config}
+    for batch in batch_owned(items, batching):
+        step_owned(spec, batch, hyper)
+
+
+def owner_step_transient(shape: tuple[int, ...], count: int, batching: StepBatching,
+                         ns_dtype: str) -> int:
+    """Peak live bytes of one owner step over ``count`` matrices above the bytes before it."""
+    items = _items(shape, count)
+    tracker = LiveBytesTracker().track([t for it in items
+                                        for t in (it.param, it.grad, *it.state.values())])
+    start = tracker.current
+    with tracker:
+        _step(items, batching, MuonConfig(ns_dtype=ns_dtype))
+    return tracker.peak - start
+
+
+def time_owner_step(shape: tuple[int, ...], count: int, batching: StepBatching, ns_dtype: str,
+                    repeats: int, warmup: int = 2) -> float:
+    """Median seconds of one owner step over ``count`` same-shape matrices."""
+    items, config = _items(shape, count), MuonConfig(ns_dtype=ns_dtype)
+    for _ in range(warmup):
+        _step(items, batching, config)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        _step(items, batching, config)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _shape(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split("x"))
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.step_memory", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", nargs="+", default=["768x1536", "1536x768", "1024x1024"])
+    p.add_argument("--batch", type=int, default=4, help="same-shape matrices in part 1")
+    p.add_argument("--small", nargs="+", default=["64x64", "128x256", "256x256"])
+    p.add_argument("--count", type=int, default=24, help="small matrices in part 2")
+    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--json", action="store_true")
+    return p.parse_args(argv)
+
+
+def run(argv: list[str] | None = None) -> dict[str, Any]:
+    args = _parse_args(argv)
+    torch.set_num_threads(1)
+    memory, speed = [], []
+    for text in args.shapes:
+        shape = _shape(text)
+        matrix = 4 * shape[0] * shape[1]
+        for dtype in ("float32", "bfloat16"):
+            row = {"shape": text, "ns_dtype": dtype, "matrix_bytes": matrix,
+                   "single": owner_step_transient(shape, 1, StepBatching(), dtype),
+                   "batched_uncapped": owner_step_transient(shape, args.batch, _UNCAPPED, dtype),
+                   "batched_capped": owner_step_transient(shape, args.batch,
+                                                          StepBatching(True), dtype)}
+            memory.append(row)
+            logger.info("%s", row)
+    for text in args.small:
+        shape = _shape(text)
+        row = {"shape": text, "count": args.count}
+        for label, batching in (("uncapped", _UNCAPPED), ("capped", StepBatching(True)),
+                                ("unbatched", StepBatching(False))):
+            row[label] = time_owner_step(shape, args.count, batching, "bfloat16", args.repeats)
+        speed.append(row)
+        logger.info("%s", row)
+    return {"memory": memory, "speed": speed, "args": vars(args),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+
+
+def render(results: dict[str, Any]) -> str:
+    mib = 1 << 20
+    lines = ["| shape | NS dtype | fp32 matrix | one matrix | batch of B, uncapped | "
+             "batch of B, default cap |", "|---|---|---|---|---|---|"]
+    for r in results["memory"]:
+        m = r["matrix_bytes"]
+        cells = [f"{r[k] / mib:.2f} MiB ({r[k] / m:.2f}×)"
+                 for k in ("single", "batched_uncapped", "batched_capped")]
+        lines.append(f"| {r['shape']} | {r['ns_dtype']} | {m / mib:.2f} MiB | " + " | ".join(cells)
+                     + " |")
+    lines += ["", "| small shape × count | batched, uncapped ms | batched, default cap ms | "
+              "unbatched ms |", "|---|---|---|---|"]
+    for r in results["speed"]:
+        lines.append(f"| {r['shape']} × {r['count']} | {1e3 * r['uncapped']:.2f} | "
+                     f"{1e3 * r['capped']:.2f} | {1e3 * r['unbatched']:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+    results = run(argv)
+    sys.stdout.write((json.dumps(results, indent=1) if results["args"]["json"]
+                      else render(results)) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,205 @@
+"""The owner step's transient bytes are bounded by bytes (issue 30, item 7).
+
+[Note: owner step transients] in ``matrixfsdp.optim.owner_step``: one Muon matrix with bf16
+Newton–Schulz stays within 1.5× its fp32 bytes + one 1 MiB chunk (it was 2.5×); batched
+same-shape matrices are cut by stacked bytes (``StepBatching``), not by count, and the cut
+batches step exactly as the uncut ones and as one matrix at a time.
+"""
+
+from __future__ import annotations
+
+import functools
+from unittest import mock
+
+import pytest
+import torch
+
+import matrixfsdp as mf
+from benchmarks.step_memory import owner_step_transient, owner_step_transients
+from matrixfsdp.memory import LiveBytesTracker
+from matrixfsdp.optim.functional import MuonConfig, muon
+from matrixfsdp.optim.owner_step import (
+    DEFAULT_BATCH_BYTES,
+    OwnedMatrix,
+    StepBatching,
+    batch_owned,
+    stacked_bytes,
+    step_owned,
+)
+from matrixfsdp.optim.registry import get_matrix_optimizer
+
+from .checks import full_values
+from .dist_utils import run_subtests, run_world
+from .models import TinyTransformer, global_batch, lm_loss, local_batch
+
+MiB = 1 << 20
+CHUNK = 1 * MiB  # muon._CHUNK_BYTES: rows of the fp32 direction alive at once
+
+
+def _bound(matrix_bytes: int) -> int:
+    """The stated bound of one matrix's owner step with bf16 Newton–Schulz."""
+    return int(1.5 * matrix_bytes) + CHUNK
+
+
+# -- one matrix -------------------------------------------------------------------------------
+@pytest.mark.parametrize("shape", [(384, 1536), (1536, 384), (768, 768)])
+def test_one_matrix_bf16_transient_within_bound(shape: tuple[int, int]) -> None:
+    matrix = 4 * shape[0] * shape[1]
+    got = owner_step_transient(shape, 1, StepBatching(), "bfloat16")
+    assert got <= _bound(matrix), f"{shape}: {got / matrix:.2f}x the matrix ({got} bytes)"
+    # 2|X| + min(m, n)^2 bf16 elements (+ a chunk while X is built): what the note states
+    small = min(shape) ** 2
+    assert got <= 2 * (2 * shape[0] * shape[1] + small) + CHUNK
+
+
+def test_chunked_newton_schulz_input_is_bitwise() -> None:
+    gen = torch.Generator().manual_seed(0)
+    with mock.patch.object(muon, "_CHUNK_BYTES", 1):  # 64 rows per chunk
+        for shape, transposed in [((300, 129), False), ((300, 129), True), ((3, 130, 70), False)]:
+            g = torch.randn(shape, generator=gen)
+            b = torch.randn(shape, generator=gen)
+            if transposed:
+                g, b = g.mT, b.mT.contiguous()
+            want = g.lerp(b, 0.95).to(torch.bfloat16)
+            got = muon.newton_schulz_input(g, b, 0.95, True, torch.bfloat16)
+            assert torch.equal(got, want) and got.stride() == want.stride(), (shape, transposed)
+            assert torch.equal(muon.newton_schulz_input(g, b, 0.95, False, torch.bfloat16),
+                               b.to(torch.bfloat16))
+
+
+# -- batches cut by bytes ---------------------------------------------------------------------
+def _items(shape: tuple[int, ...], count: int, seed: int = 0) -> list[OwnedMatrix]:
+    gen = torch.Generator().manual_seed(seed)
+    return [OwnedMatrix(torch.randn(shape, generator=gen), torch.randn(shape, generator=gen),
+                        {"momentum_buffer": torch.randn(shape, generator=gen)}, 2)
+            for _ in range(count)]
+
+
+def test_batches_cut_by_stacked_bytes() -> None:
+    items = _items((32, 48), 10) + _items((48, 32), 3)
+    per = stacked_bytes(items[0])
+    assert per == 3 * 32 * 48 * 4
+    sizes = [len(b) for b in batch_owned(items, StepBatching(True, max_bytes=4 * per + 1))]
+    assert sizes == [4, 4, 2, 3]
+    assert [len(b) for b in batch_owned(items, True)] == [10, 3]  # all below the default cap
+    assert [len(b) for b in batch_owned(items, StepBatching(True, max_bytes=1))] == [1] * 13
+    assert [len(b) for b in batch_owned(items, False)] == [1] * 13
+    big = _items((1024, 1024), 2)  # 12 MiB stacked each: the default cap is 16 MiB
+    assert StepBatching(True).cap(big) == DEFAULT_BATCH_BYTES
+    assert [len(b) for b in batch_owned(big, True)] == [1, 1]
+    huge = _items((1280, 1280), 1) + _items((640, 640), 8)  # largest item: 18.75 MiB stacked
+    assert StepBatching(True).cap(huge) == stacked_bytes(huge[0])
+    assert [len(b) for b in batch_owned(huge, True)] == [1, 4, 4]
+
+
+@pytest.mark.parametrize("kwargs", [{"same_shape": 1}, {"max_bytes": 0}, {"max_bytes": 2.0},
+                                    {"max_bytes": True}])
+def test_step_batching_validates(kwargs: dict) -> None:
+    with pytest.raises(ValueError, match="StepBatching"):
+        StepBatching(**kwargs)
+
+
+def _stepped(items: list[OwnedMatrix], batching: StepBatching | bool, ns_dtype: str) -> list:
+    spec = get_matrix_optimizer("muon")
+    hyper = {"lr": 0.02, "weight_decay": 0.1, "initial_lr": 0.02,
+             "config": MuonConfig(ns_dtype=ns_dtype)}
+    for batch in batch_owned(items, batching):
+        step_owned(spec, batch, hyper)
+    return [(it.param, it.state["momentum_buffer"]) for it in items]
+
+
+@pytest.mark.parametrize("ns_dtype", ["float32", "bfloat16"])
+def test_capped_batches_step_as_uncapped_and_unbatched(ns_dtype: str) -> None:
+    shape, count = (48, 80), 7
+    per = stacked_bytes(_items(shape, 1)[0])
+    runs = {name: _stepped(_items(shape, count), batching, ns_dtype) for name, batching in {
+        "uncapped": StepBatching(True, max_bytes=count * per),
+        "capped": StepBatching(True, max_bytes=3 * per),
+        "unbatched": StepBatching(False)}.items()}
+    for i in range(count):
+        for j, what in enumerate(("param", "momentum")):
+            assert torch.equal(runs["capped"][i][j], runs["uncapped"][i][j]), (i, what)
+            diff = (runs["capped"][i][j] - runs["unbatched"][i][j]).abs().max().item()
+            assert diff <= (0.0 if ns_dtype == "float32" else 1e-6), (i, what, diff)
+
+
+def test_capped_batch_transient_is_bounded_by_bytes() -> None:
+    shape, count = (256, 512), 12  # 0.5 MiB fp32 each; 1.5 MiB stacked
+    per = stacked_bytes(_items(shape, 1)[0])
+    cap = 3 * per
+    capped = owner_step_transient(shape, count, StepBatching(True, max_bytes=cap), "bfloat16")
+    uncapped = owner_step_transient(shape, count, StepBatching(True, max_bytes=count * per),
+                                    "bfloat16")
+    assert capped <= 1.5 * cap + CHUNK, capped / cap
+    assert uncapped > 1.5 * cap + CHUNK  # the cap is what bounds it
+
+
+# -- MatrixOptimizer on owners, per rank ------------------------------------------------------
+def _owner_step(rank: int, world: int, ns_dtype: str) -> None:
+    torch.manual_seed(0)
+    model = TinyTransformer(dim=384, hidden=1536, layers=1)
+    mf.fully_shard_matrix(model)
+    opt = mf.MatrixOptimizer(model, "muon", lr=0.02, ns_dtype=ns_dtype)
+    largest = 384 * 1536 * 4
+    for step in range(2):
+        lm_loss(model, local_batch(global_batch(step, batch=4, seq=5), rank, world)).backward()
+        tracker = LiveBytesTracker()
+        with tracker, owner_step_transients(tracker) as calls:
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        most = max(c["transient"] for c in calls) if calls else 0
+        if ns_dtype == "bfloat16":
+            assert most <= _bound(largest), f"rank {rank}: {most / largest:.2f}x the largest"
+        else:  # fp32 Newton–Schulz: 2|X| + min(m, n)^2 fp32 elements
+            assert most <= 2 * largest + 4 * 384 ** 2, f"rank {rank}: {most / largest:.2f}x"
+
+
+def _capped_optimizer(rank: int, world: int) -> None:
+    """``MatrixOptimizer(batch_same_shape=StepBatching(...))``: batches within the cap, the
+    same values as one matrix at a time (fp32 Newton–Schulz: bit for bit)."""
+    models, calls = [], []
+    cap = 2 * 3 * 32 * 64 * 4  # two (32, 64) matrices' parameter, gradient and momentum
+    for batching in (StepBatching(True, max_bytes=cap), False):
+        torch.manual_seed(0)
+        model = TinyTransformer(dim=32, hidden=64, layers=4)
+        mf.fully_shard_matrix(model)
+        opt = mf.MatrixOptimizer(model, "muon", lr=0.02, ns_dtype="float32",
+                                 batch_same_shape=batching)
+        assert opt.batch_same_shape is bool(batching)
+        for step in range(2):
+            lm_loss(model, local_batch(global_batch(step, batch=4, seq=5), rank, world)).backward()
+            tracker = LiveBytesTracker()
+            with tracker, owner_step_transients(tracker) as stepped:
+                opt.step()
+            opt.zero_grad(set_to_none=True)
+            calls += stepped if batching else []
+        models.append(model)
+    assert calls and all(c["batch"] * 3 * c["param_bytes"] <= cap for c in calls)
+    assert any(c["batch"] == 2 for c in calls), [c["batch"] for c in calls]
+    got, want = full_values(models[0]), full_values(models[1])
+    for fqn, value in want.items():
+        assert torch.equal(got[fqn], value), fqn
+
+
+def _world(rank: int, world: int) -> None:
+    subtests = {f"owner step, {dt}": functools.partial(_owner_step, rank, world, dt)
+                for dt in ("bfloat16", "float32")}
+    subtests["capped optimizer"] = functools.partial(_capped_optimizer, rank, world)
+    run_subtests(rank, subtests)
+
+
+def test_owner_step_transient_per_rank() -> None:
+    run_world(2, _world)
+
+
+def test_live_bytes_tracker_nested_phases() -> None:
+    tracker = LiveBytesTracker()
+    with tracker, tracker.phase("outer"):
+        a = torch.empty(100)
+        with tracker.phase("inner"):
+            b = torch.empty(50)
+            del b
+        c = torch.empty(10)
+        del a, c
+    assert tracker.phases["inner"] == (400, 600)
+    assert tracker.phases["outer"] == (0, 600)
