@@ -306,8 +306,11 @@ class MatrixOptimizer(torch.optim.Optimizer):
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear every gradient, as on one device: ``.grad`` and the gradients held for a later
+        reduction while gradient sync is off (matrices and FSDP2 tail; HSDP partial sums), which
+        stock FSDP2 keeps (see [Note: zero_grad and held gradients] in ``runtime/state.py``)."""
         discard_global_norm(self._runtime)  # a recorded norm describes the cleared gradients
-        self._runtime.discard_partial_sums()  # HSDP accumulation: they belong to these gradients
+        self._runtime.discard_held_grads()  # an abandoned accumulation must not leak into the next
         super().zero_grad(set_to_none=set_to_none)
 
     def _nonfinite_grad_norm(self) -> bool:

@@ -90,6 +90,7 @@ from .mesh import DataParallelMesh
 from .pending import PendingWork, WorkKind, WorkQueue
 from .streams import InFlight, RuntimeStreams
 from .tail import (
+    discard_tail_held_grads,
     discard_tail_partial_sums,
     refresh_tail_dtypes,
     reset_finished_fsdp_state,
@@ -521,6 +522,27 @@ class MatrixFSDPState:
         dropped = [group.discard_unreduced() for group in self.groups]
         dropped += [discard_tail_partial_sums(m) for m in self._find_fsdp_modules()]
         return any(dropped)
+
+    # [Note: zero_grad and held gradients]
+    # With gradient sync off, gradients wait for a later synced backward outside ``.grad``: in the
+    # matrices' unsharded leaves or reduce-dtype accumulators ([Note: accumulation in
+    # reduce_dtype] in ``group.py``), in FSDP2's unsharded tail parameters, and under HSDP with
+    # ``set_requires_all_reduce(False)`` in owners' partial sums. Stock FSDP2 keeps all of them
+    # across ``model.zero_grad()`` / ``optimizer.zero_grad()``, so a step abandoned
+    # mid-accumulation (a NaN loss, a skipped batch) leaks its micro-batches into the next
+    # reduction. ``MatrixOptimizer.zero_grad`` clears every gradient, as ``zero_grad`` does on one
+    # device: the held ones too, matrices and tail alike (``discard_held_grads``; local, no
+    # collective: which groups reduce next stays the same on every rank). A plain
+    # ``torch.optim`` optimizer's ``zero_grad`` behaves as FSDP2's; call
+    # ``get_state(model).discard_held_grads()`` there.
+    def discard_held_grads(self) -> bool:
+        """Drop every gradient held for a later reduction (see [Note: zero_grad and held
+        gradients]): the matrices', FSDP2's tail's and the HSDP partial sums; True if any
+        existed. Outside backward; local."""
+        held = [group.discard_accumulated() for group in self.groups]
+        held += [discard_tail_held_grads(m) for m in self._find_fsdp_modules()]
+        held.append(self.discard_partial_sums())
+        return any(held)
 
     @property
     def mesh_shape(self) -> tuple[int, int]:

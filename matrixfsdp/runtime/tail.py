@@ -51,6 +51,7 @@ from torch.distributed.fsdp import FSDPModule
 
 __all__ = [
     "TAIL_UNIT_MIN_BYTES",
+    "discard_tail_held_grads",
     "discard_tail_partial_sums",
     "refresh_tail_dtypes",
     "reset_finished_fsdp_state",
@@ -160,3 +161,22 @@ def refresh_tail_dtypes(module: FSDPModule) -> None:
         group._matrixfsdp_trainable = flags
         if seen is not None and seen != flags:
             init_dtypes()
+
+
+def discard_tail_held_grads(module: FSDPModule) -> bool:
+    """Drop the gradients FSDP2 holds for a later reduce-scatter while gradient sync is off: the
+    unsharded parameter's ``.grad`` and, under mixed precision, ``unsharded_accumulated_grad``.
+    FSDP2 keeps them across ``zero_grad`` (they join the next synced backward's reduction);
+    ``MatrixOptimizer.zero_grad`` drops them with the matrices' (see [Note: zero_grad and held
+    gradients] in ``state.py``). True if one existed."""
+    held = False
+    for group in _param_groups(module._get_fsdp_state()):
+        for fsdp_param in getattr(group, "fsdp_params", ()):
+            if getattr(fsdp_param, "unsharded_accumulated_grad", None) is not None:
+                fsdp_param.unsharded_accumulated_grad = None
+                held = True
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            if unsharded is not None and unsharded.grad is not None:
+                unsharded.grad = None
+                held = True
+    return held
