@@ -106,12 +106,13 @@ def _matrix_fqns(pipe: Pipeline) -> set[str]:
     return {f for row in rows for f in row}
 
 
-def _steps(meshes: PPMeshes, schedule: str, name: str, steps: int = 3, micro: int = 4) -> None:
+def _steps(meshes: PPMeshes, schedule: str, name: str, steps: int = 3, micro: int = 4,
+           wrap_kwargs: dict | None = None) -> None:
     """``steps`` steps of ``name`` (one MatrixOptimizer per chunk) equal one process (SOAP in
     float64, as tests/test_optim_dist.py runs it: its fp32 eigenbases of rank-deficient factors
     are arbitrary in their null spaces)."""
     full = _full().to(torch.float64 if name == "soap" else torch.float32)
-    pipe = build_pipeline(full, meshes, schedule, micro)
+    pipe = build_pipeline(full, meshes, schedule, micro, **(wrap_kwargs or {}))
     kwargs = FREE_RUNNING_KWARGS.get(name, {})
     hyper = {"lr": LR[name], "weight_decay": 0.1}
     opts = [mf.MatrixOptimizer(m, name, **hyper, tail_lr=1e-2, tail_weight_decay=0.1, **kwargs)
@@ -209,7 +210,8 @@ def _step_counts(meshes: PPMeshes, schedule: str, micro: int, wrap: str,
 def _one_reduction_per_step(meshes: PPMeshes, schedule: str) -> None:
     """Reductions (group reductions, reduce calls and bytes) per step: the same with 1 (2 where
     the schedule needs a microbatch per stage), 4 and 8 microbatches; one per group."""
-    micros = (1, 4, 8) if schedule == "ScheduleGPipe" else (2, 4, 8)
+    micros = {"ScheduleGPipe": (1, 4, 8), "Schedule1F1B": (2, 4, 8),
+              "ScheduleInterleaved1F1B": (2, 4, 8)}.get(schedule, (4, 8))
     counts = {micro: _step_counts(meshes, schedule, micro, "matrix") for micro in micros}
     keys = ("reduce", "reduce_to_owners_calls", "reduce_to_owners_bytes")
     first = {k: counts[micros[0]][k] for k in keys}

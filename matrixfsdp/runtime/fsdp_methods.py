@@ -17,8 +17,11 @@ Honoured, with FSDP2's meaning:
 - ``set_reshard_after_backward(flag)``: off, groups stay gathered after backward until a forward
   with ``reshard_after_forward`` (or an optimizer step, which reshards) frees them, so microbatches
   gather each group once; ``set_reshard_after_forward(flag)``;
-- ``set_is_last_backward(flag)``: accepted; matrix reductions complete at the end of each synced
-  backward whatever its value (the same gradients);
+- ``set_is_last_backward(flag)``: matrix reductions complete at the end of each synced backward
+  whatever its value (the same gradients); ``False`` (pipelining, before each microbatch's
+  backward) makes the model show each matrix's unsharded leaf until the next forward or
+  backward end, so that zero-bubble schedules find the leaves forward used (see [Note:
+  zero-bubble schedules] in ``pipelining.py``);
 - ``unshard()`` / ``reshard()``: gather / free the unit's matrices (the gather is synchronous; an
   ``async_op=True`` call returns FSDP2's handle for the tail);
 - ``set_post_optim_event(event)``: the next forward waits on ``event`` before its first gather;
@@ -44,6 +47,8 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
+
+from .pipelining import expose_leaves, hide_leaves
 
 if TYPE_CHECKING:
     from .group import MatrixGroup
@@ -105,6 +110,8 @@ class _Methods:
 
     def set_is_last_backward(self, module: nn.Module, flag: bool) -> None:
         self.state.is_last_backward = bool(flag)
+        # Pipelining's split backward reads submod.parameters() (see [Note: zero-bubble schedules])
+        (hide_leaves if flag else expose_leaves)(self.state)
 
     def set_reshard_after_backward(self, module: nn.Module, flag: bool, *, recurse: bool = True) -> None:
         if self._global(module, "set_reshard_after_backward", recurse):
