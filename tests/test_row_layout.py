@@ -37,6 +37,8 @@ H, KV, HD, D = 4, 2, 2, 8  # n_heads, n_kv_heads, head_dim, model dim: wqkv is (
 ROWS = (H + 2 * KV) * HD
 LR, WD, STEPS = 0.02, 0.01, 3
 PATTERN = "*.wqkv.weight"
+E, FF = 4, 3  # experts, and each one's gate (and up) rows
+GATE_UP = [list(range(0, 2 * FF, 2)), list(range(1, 2 * FF, 2))]  # interleaved: gate | up
 
 
 def _titan_blocks(per: str) -> list[list[int]]:
@@ -107,11 +109,23 @@ def test_row_layout_constructors() -> None:
 
 
 # -- the wrapped model at world 2 ------------------------------------------------------------------
+class _Experts(nn.Module):
+    """A fused gate/up expert stack stored ``(E, in, out)`` (Hugging Face's flag), its gate and
+    up rows alternating: a row layout of a transposed 3-D view."""
+
+    is_transposed = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_up = nn.Parameter(torch.randn(E, D, 2 * FF))
+
+
 class _Attention(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.wqkv = nn.Linear(D, ROWS, bias=False)
         self.wo = nn.Linear(H * HD, D, bias=False)
+        self.experts = _Experts()
 
 
 class _Model(nn.Module):
@@ -131,60 +145,89 @@ def _kwargs(name: str) -> dict[str, Any]:
 
 class _BlockReference:
     """One process: every block of every matrix stepped as its own matrix (gather, step,
-    scatter), with the registered step function."""
+    scatter), with the registered step function. Weights are kept in their ``(*, out, in)``
+    view (``transposed``: stored ``(*, in, out)``); an expert stack's block is that block of
+    every expert, one ``(E, rows, in)`` batch."""
 
     def __init__(self, weights: dict[str, torch.Tensor], blocks: dict[str, list[list[int]]],
-                 name: str) -> None:
+                 name: str, transposed: frozenset[str] = frozenset()) -> None:
         self.spec = get_matrix_optimizer(name)
         self.config = self.spec.make_config(_kwargs(name))
-        self.weights = {f: w.clone() for f, w in weights.items()}
-        self.blocks = {f: blocks.get(f, [list(range(w.shape[0]))]) for f, w in weights.items()}
-        self.state = {f: [self.spec.init_state_fn(self.weights[f][rows].clone(), self.config)
-                          for rows in self.blocks[f]] for f in weights}
+        self.transposed = transposed
+        self.weights = {f: self._view(f, w).clone() for f, w in weights.items()}
+        self.blocks = {f: blocks.get(f, [list(range(w.shape[-2]))])
+                       for f, w in self.weights.items()}
+        self.state = {f: [self.spec.init_state_fn(w[..., rows, :].clone(), self.config)
+                          for rows in self.blocks[f]] for f, w in self.weights.items()}
+
+    def _view(self, fqn: str, t: torch.Tensor) -> torch.Tensor:
+        return t.mT if fqn in self.transposed else t
 
     def step(self, grads: dict[str, torch.Tensor], step: int) -> None:
         for fqn, weight in self.weights.items():
+            grad = self._view(fqn, grads[fqn])
             for rows, state in zip(self.blocks[fqn], self.state[fqn], strict=True):
-                block = weight[rows].clone()
-                self.spec.step_fn(block, grads[fqn][rows].clone(), state, step=step, lr=LR,
+                block = weight[..., rows, :].clone()
+                self.spec.step_fn(block, grad[..., rows, :].clone(), state, step=step, lr=LR,
                                   weight_decay=WD, initial_lr=LR, config=self.config)
-                weight[rows] = block
+                weight[..., rows, :] = block
+
+    def stored(self, fqn: str) -> torch.Tensor:
+        """A weight as the model stores it."""
+        return self._view(fqn, self.weights[fqn])
 
 
-def _build() -> _Model:
+def _build(stacks: str = "auto") -> _Model:
     torch.manual_seed(3)
     model = _Model()
-    mf.fully_shard_matrix(model)
+    mf.fully_shard_matrix(model, planner=mf.LPTPlanner(stacks=stacks))
     return model
 
 
 def _train(model: _Model, opt: mf.MatrixOptimizer, start: int = 0) -> None:
+    """``STEPS`` steps on the same full gradients as the reference's: set on owners, and as
+    ``Shard(0)`` DTensors on the expert slices of sharded stacks."""
     named = dict(model.named_parameters())
+    params = mf.get_state(model).params
+    sliced = {p.fqn for p in mf.get_plan(model).sharded_stacks}
     for step in range(start, start + STEPS):
-        for fqn, mp in mf.get_state(model).params.items():
-            if mp.is_owner:
-                named[fqn].grad = _grad(fqn, step, tuple(mp.shape))
+        for fqn, p in named.items():
+            if fqn in sliced:
+                p.grad = distribute_tensor(_grad(fqn, step, tuple(p.shape)), p.device_mesh,
+                                           p.placements)
+            elif fqn in params and params[fqn].is_owner:
+                p.grad = _grad(fqn, step, tuple(params[fqn].shape))
         opt.step()
         opt.zero_grad()
 
 
 def _exact(name: str, split: Any, blocks: list[list[int]], variant: str = "") -> None:
-    model = _build()
+    """wqkv (``split``, whose rows are ``blocks``) and the gate/up stack (``GATE_UP``) against
+    the reference; ``variant``: batched, offloaded state, or stacks owned whole."""
+    model = _build("whole" if variant in ("whole stacks", "offload") else "auto")
     weights = {f: w for f, w in full_values(model).items() if w is not None}
     extra = {"batch_same_shape": True} if variant == "batched" else (
         {"offload_state": "cpu"} if variant == "offload" else {})
-    opt = mf.MatrixOptimizer(model, name, lr=LR, weight_decay=WD, split={PATTERN: split},
-                             **extra, **_kwargs(name))
-    fused = [f for f in weights if f.endswith("wqkv.weight")]
-    ref = _BlockReference(weights, {f: blocks for f in fused}, name)
+    opt = mf.MatrixOptimizer(model, name, lr=LR, weight_decay=WD, **extra, **_kwargs(name),
+                             split={PATTERN: split, "*.gate_up": GATE_UP})
+    stacks = frozenset(f for f in weights if f.endswith("gate_up"))
+    sliced = {p.fqn for p in mf.get_plan(model).sharded_stacks}
+    assert sliced == (set() if "whole" in variant or variant == "offload" else stacks), sliced
+    want = {f: blocks for f in weights if f.endswith("wqkv.weight")} | dict.fromkeys(stacks,
+                                                                                       GATE_UP)
+    ref = _BlockReference(weights, want, name, transposed=stacks)
     for step in range(STEPS):
         ref.step({f: _grad(f, step, tuple(w.shape)) for f, w in weights.items()}, step + 1)
     _train(model, opt)
     got = full_values(model)
     state = full_optimizer_state(model, opt)
-    tol = {"rtol": 1e-6, "atol": 1e-7} if variant == "batched" else {"rtol": 0, "atol": 0}
-    for fqn, want in ref.weights.items():
-        torch.testing.assert_close(got[fqn], want, **tol, msg=lambda m, f=fqn: f"{f}: {m}")
+    # Batching (and an expert slice's smaller batch) may round differently: else bit for bit.
+    loose = variant == "batched" or (bool(stacks) and not variant)
+    for fqn in ref.weights:
+        tol = ({"rtol": 1e-6, "atol": 1e-7} if loose and (variant or fqn in stacks)
+               else {"rtol": 0, "atol": 0})
+        torch.testing.assert_close(got[fqn], ref.stored(fqn), **tol,
+                                   msg=lambda m, f=fqn: f"{f}: {m}")
         n = len(ref.blocks[fqn])
         for i, block_state in enumerate(ref.state[fqn]):
             for key, value in block_state.items():
@@ -213,6 +256,74 @@ def _errors_name_the_parameter() -> None:
                                                  fqn: qkv_row_layout(H, KV, HD, per="head")})
 
 
+def _trained(split: Any) -> tuple[_Model, mf.MatrixOptimizer]:
+    model = _build()
+    opt = mf.MatrixOptimizer(model, "muon", lr=LR, weight_decay=WD, split={PATTERN: split},
+                             **_kwargs("muon"))
+    _train(model, opt)
+    return model, opt
+
+
+def _fresh(split: Any) -> tuple[_Model, mf.MatrixOptimizer]:
+    torch.manual_seed(11)
+    model = _Model()
+    mf.fully_shard_matrix(model)
+    opt = mf.MatrixOptimizer(model, "muon", lr=LR, weight_decay=WD,
+                             split=None if split is None else {PATTERN: split}, **_kwargs("muon"))
+    return model, opt
+
+
+def _checkpoint_round_trip(root: str) -> None:
+    """The layout is recorded: per-block state round-trips bitwise and training continues as
+    if never stopped; another layout is refused naming the matrix; sizes equal to the layout
+    (what releases before row layouts wrote) load."""
+    qkv = qkv_row_layout(H, KV, HD)
+    model, opt = _trained(qkv)
+    path = f"{root}/qkv"
+    mf.checkpoint.save(path, model, opt, step=STEPS)
+    saved_values, saved_state = full_values(model), full_optimizer_state(model, opt)
+    fresh, fresh_opt = _fresh(qkv)
+    mf.checkpoint.load(path, fresh, fresh_opt)
+    loaded = full_optimizer_state(fresh, fresh_opt)
+    assert loaded.keys() == saved_state.keys()
+    for fqn, entry in saved_state.items():
+        assert loaded[fqn].keys() == entry.keys(), fqn
+        for key, value in entry.items():
+            assert torch.equal(loaded[fqn][key], value), (fqn, key)
+    assert sum("momentum_buffer@2" in e for e in loaded.values()) == 2  # both wqkv, 3 blocks
+    loaded_values = full_values(fresh)
+    assert all(torch.equal(loaded_values[f], v) for f, v in saved_values.items())
+    _train(model, opt, start=STEPS)
+    _train(fresh, fresh_opt, start=STEPS)
+    got, want = full_values(fresh), full_values(model)
+    assert all(torch.equal(got[f], want[f]) for f in want), "training after the load differs"
+    for other, match in [
+        (qkv_row_layout(H, KV, HD, per="head"), r"'layers.0.wqkv.weight': checkpoint row layout "
+         r"of 3 blocks of \[8, 4, 4\] rows \(not contiguous\), now contiguous blocks of "
+         r"\[2, 2, 2, 2, 2, 2, 2, 2\] rows"),
+        (None, r"now whole \(no split\).*pass MatrixOptimizer the checkpoint's split"),
+    ]:
+        bad_model, bad_opt = _fresh(other)
+        with pytest.raises(mf.checkpoint.CheckpointMismatchError, match=match):
+            mf.checkpoint.load(path, bad_model, bad_opt)
+    sizes_model, sizes_opt = _trained([8, 4, 4])
+    mf.checkpoint.save(f"{root}/sizes", sizes_model, sizes_opt, step=STEPS)
+    as_layout = _fresh(RowLayout.from_permutation(range(ROWS), [8, 4, 4]))
+    mf.checkpoint.load(f"{root}/sizes", *as_layout)
+
+
+def _torch_state_dict_refuses_another_layout() -> None:
+    """torch's load_state_dict would adopt the saved groups' split: refused, on every rank."""
+    _, opt = _trained(qkv_row_layout(H, KV, HD))
+    state_dict = opt.state_dict()
+    _, same = _fresh(qkv_row_layout(H, KV, HD))
+    same.load_state_dict(state_dict)
+    _, other = _fresh(SHUFFLED)
+    with pytest.raises(ValueError, match=r"load_state_dict: param group 0's state was stepped "
+                       r"with another split= \('layers.0.wqkv.weight': checkpoint row layout"):
+        other.load_state_dict(state_dict)
+
+
 def _world(rank: int, world: int, root: str) -> None:
     qkv, head = qkv_row_layout(H, KV, HD), qkv_row_layout(H, KV, HD, per="head")
     subtests: dict[str, Callable[[], None]] = {
@@ -223,10 +334,14 @@ def _world(rank: int, world: int, root: str) -> None:
                                               "batched"),
         "muon qkv offload": functools.partial(_exact, "muon", qkv, _titan_blocks("qkv"),
                                               "offload"),
+        "muon whole stacks": functools.partial(_exact, "muon", qkv, _titan_blocks("qkv"),
+                                               "whole stacks"),
         "shampoo qkv": functools.partial(_exact, "shampoo", qkv, _titan_blocks("qkv")),
         "soap shuffled": functools.partial(_exact, "soap", RowLayout(SHUFFLED), SHUFFLED),
         "errors": _errors_name_the_parameter,
         "tp": _tp_step_exact,
+        "checkpoint": functools.partial(_checkpoint_round_trip, root),
+        "torch state dict": _torch_state_dict_refuses_another_layout,
     }
     run_subtests(rank, subtests)
     dist.barrier()
@@ -271,3 +386,23 @@ def test_row_layouts_exact_at_world_2(tmp_path: Path) -> None:
     """Muon, Shampoo, SOAP over row layouts at world 2 (and the TP step at tp 2) equal one
     process stepping each block separately; bad layouts name the parameter on every rank."""
     run_world(2, _world, str(tmp_path))
+
+
+def test_checkpoint_layout_validates_the_recorded_split() -> None:
+    """A layout's matrix group records the stored split; a malformed one does not parse."""
+    from pydantic import ValidationError
+
+    from matrixfsdp.checkpoint.layout import GroupLayout
+
+    runs = {"rows": [[[0, 4], [8, 12]], [[4, 6], [12, 14]], [[6, 8], [14, 16]]]}
+    for split in ({}, {"a": [8, 4, 4]}, {"a": runs}):  # sizes: what older releases wrote
+        GroupLayout(kind="matrix", params=("a",), hyperparams={"split": split})
+    for split, match in [
+        ({"a": {"rows": [[[0, 2]], [[1, 3]]]}}, r"split\['a'\].*block 1 holds row 1"),
+        ({"a": {"rows": [[[0, 2]], [[3, 4]]]}}, r"block 1 holds row 3, out of range for 3 rows"),
+        ({"a": {"blocks": [[[0, 2]]]}}, r"not block sizes or \{'rows': runs\}"),
+        ({"a": [4, 0]}, r"not block sizes"),
+        ([1, 2], r"split must map matrix FQNs to blocks"),
+    ]:
+        with pytest.raises(ValidationError, match=match):
+            GroupLayout(kind="matrix", params=("a",), hyperparams={"split": split})

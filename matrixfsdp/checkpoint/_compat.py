@@ -146,10 +146,13 @@ def check_optimizer(
                 f"{label}: the checkpoint's optimizer is {old.optimizer!r}, this one is "
                 f"{current_name!r}, for parameters {names(fqns)}"
             )
-        saved_split, split = old.hyperparams.get("split", {}), group.get("split", {})
+        saved_split, split = old.hyperparams.get("split") or {}, group.get("split") or {}
         if old.kind == "matrix" and saved_split != split:
-            problems.append(f"{label}: the checkpoint's state was stepped with split={saved_split}, "
-                            f"this optimizer uses split={split}")
+            from ..optim.layouts import split_differences  # lazily: the optimizer imports more
+            problems.append(
+                f"{label}: the checkpoint's per-block state was stepped with another split= "
+                f"({split_differences(saved_split, split)}); pass MatrixOptimizer the "
+                "checkpoint's split (the same RowLayout, block sizes or count)")
         only_saved, only_now = set(old.params) - set(fqns), set(fqns) - set(old.params)
         if only_saved or only_now:
             problems.append(

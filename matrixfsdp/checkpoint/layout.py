@@ -12,7 +12,11 @@
   in layouts written before HSDP, read as flat). Under HSDP replica 0 wrote the matrices.
 - ``optimizer`` records each param group's parameter FQNs and its JSON-encodable hyperparameters
   (tuples, non-finite floats and 0-d tensors are tagged so they come back as they were). The
-  optimizer's *state tensors* live in the DCP data under ``optim.state.<fqn>.<key>``.
+  optimizer's *state tensors* live in the DCP data under ``optim.state.<fqn>.<key>``. A matrix
+  group's ``split`` hyperparameter is the stored split ([Note: matrix views]: block sizes, or
+  row runs per block of a row layout), validated on parse; a load compares it with the
+  optimizer's, since per-block state (``<key>@<i>``) fits only the layout it was stepped with.
+  Layouts from before row layouts hold sizes only and stay readable (same format version).
 - TP matrices (see [Note: TP matrices in checkpoints] in ``_tp.py``): a matrix entry's ``shape``
   is always the global matrix's; ``tp`` records how the saving model split it (shard dim, tp
   size, per-rank sizes) and ``tp_size`` the saving tp mesh's size. Both are written only when the
@@ -144,6 +148,19 @@ class GroupLayout(BaseModel):
     optimizer: str | None = None
     params: tuple[str, ...]
     hyperparams: dict[str, JsonValue] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _split_valid(self) -> GroupLayout:
+        """A matrix group's ``split`` is its stored split ([Note: matrix views]): block sizes or
+        row runs per split matrix, each a partition of the rows."""
+        split = self.hyperparams.get("split")
+        if self.kind == "matrix" and split:
+            from ..optim.layouts import stored_split_problem  # lazily: the optimizer imports more
+
+            problem = stored_split_problem(split)
+            if problem is not None:
+                raise ValueError(f"matrix param group: {problem}")
+        return self
 
 
 class OptimizerLayout(BaseModel):

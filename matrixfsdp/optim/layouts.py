@@ -51,7 +51,9 @@ __all__ = [
     "canonical_view",
     "describe_split",
     "matrix_layout",
+    "refuse_other_split",
     "resolve_split",
+    "split_differences",
     "split_key",
     "stored_split_problem",
 ]
@@ -160,6 +162,34 @@ def describe_split(stored: StoredBlocks | None) -> str:
         sizes = [sum(stop - start for start, stop in block) for block in stored["rows"]]
         return f"row layout of {len(sizes)} blocks of {sizes} rows (not contiguous)"
     return f"contiguous blocks of {list(stored)} rows"
+
+
+def split_differences(saved: Mapping[str, Any], now: Mapping[str, Any], limit: int = 4) -> str:
+    """The matrices whose stored split differs between ``saved`` and ``now``, described (empty
+    when the splits are equal)."""
+    differ = sorted(f for f in {*saved, *now} if saved.get(f) != now.get(f))
+    parts = [f"{f!r}: checkpoint {describe_split(saved.get(f))}, now {describe_split(now.get(f))}"
+             for f in differ[:limit]]
+    if len(differ) > limit:
+        parts.append(f"... and {len(differ) - limit} more")
+    return "; ".join(parts)
+
+
+def refuse_other_split(optimizer: torch.optim.Optimizer, state_dict: Mapping[str, Any]) -> None:
+    """``load_state_dict`` pre-hook: refuse per-block state stepped with another split (torch's
+    load would adopt the saved groups' ``split`` and with it another layout, silently)."""
+    saved_groups = state_dict.get("param_groups") or []
+    for index, (saved, group) in enumerate(zip(saved_groups, optimizer.param_groups,
+                                               strict=False)):
+        if group.get("kind") != "matrix" or "split" not in saved:
+            continue
+        diff = split_differences(saved.get("split") or {}, group.get("split") or {})
+        if diff:
+            raise ValueError(
+                f"MatrixOptimizer.load_state_dict: param group {index}'s state was stepped with "
+                f"another split= ({diff}); build the optimizer with the state dict's split "
+                "(the same RowLayout, block sizes or count)"
+            )
 
 
 def stored_split_problem(split: Any) -> str | None:

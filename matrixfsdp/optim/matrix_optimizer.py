@@ -33,7 +33,14 @@ from ..api import get_state, global_grad_norm
 from ..collectives import Phase, comm_phase
 from ..nonfinite import discard_global_norm, take_global_norm
 from ..runtime.optim_state_view import install_optimizer_state_view
-from .layouts import MatrixLayout, SplitSpec, matrix_layout, resolve_split, split_key
+from .layouts import (
+    MatrixLayout,
+    SplitSpec,
+    matrix_layout,
+    refuse_other_split,
+    resolve_split,
+    split_key,
+)
 from .offload import StatePlacement, make_state_placement
 from .owner_step import (
     OwnedMatrix,
@@ -207,6 +214,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
         self.tp_step_bytes = 0  # bytes this rank sent in tp groups in the last step (TP matrices)
         self._runtime = runtime
         self._link_inner()
+        self.register_load_state_dict_pre_hook(refuse_other_split, prepend=True)
         # state_dict()/load_state_dict() show every matrix's state on every rank, as matrix
         # DTensors, and a load keeps the state's dtypes (see [Note: optimizer state-dict view]).
         install_optimizer_state_view(self, keep_dtypes=True)
