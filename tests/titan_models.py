@@ -9,11 +9,16 @@ the same forward as the block-causal mask on one unpacked document per row).
 from __future__ import annotations
 
 import re
+import types
 from functools import partial
 
 import torch
 import torch.nn.functional as F
+import torchtitan.distributed.parallel_dims as parallel_dims_module
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torchtitan.config import ParallelismConfig
+from torchtitan.distributed import ParallelDims
 from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
 from torchtitan.models.common.attention import ScaledDotProductAttention
 from torchtitan.models.common.config_utils import make_ffn_config, make_gqa_config
@@ -34,8 +39,10 @@ __all__ = [
     "batch",
     "build_llama3",
     "cpu_attention",
+    "cpu_parallel_dims",
     "expected_matrices",
     "shard",
+    "sharded_config",
     "tiny_llama3_config",
     "token_loss",
 ]
@@ -49,10 +56,12 @@ MATRIX_NAMES = re.compile(r"layers\.\d+\.(attention\.(qkv_linear\.wqkv|wo)|feed_
 
 
 def cpu_attention(model: nn.Module) -> nn.Module:
-    """Each block's inner attention becomes torchtitan's ``ScaledDotProductAttention``."""
+    """Each block's inner attention becomes torchtitan's ``ScaledDotProductAttention``, with the
+    old one's sharding declaration (TP's local map over the heads)."""
     for block in model.layers.values():
-        block.attention.inner_attention = ScaledDotProductAttention(
-            ScaledDotProductAttention.Config())
+        old = block.attention.inner_attention
+        block.attention.inner_attention = ScaledDotProductAttention.Config(
+            sharding_config=old._sharding_config).build()
     return model
 
 
@@ -80,6 +89,30 @@ def tiny_llama3_config(*, n_layers: int = 2, dim: int = 64, n_heads: int = 4,
         lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=init),
         layers=[layer] * n_layers,
     )
+
+
+def cpu_parallel_dims(world: int, *, dp_replicate: int = 1, dp_shard: int = -1, tp: int = 1,
+                      ep: int = 1) -> tuple[ParallelismConfig, ParallelDims]:
+    """torchtitan's ParallelismConfig and built ParallelDims (``partial_dtensor``) on CPU ranks.
+
+    torchtitan builds its meshes on ``torchtitan.tools.utils.device_type``, which falls back to
+    ``"cuda"`` without an accelerator; a CPU rank points it at ``"cpu"`` (gloo).
+    """
+    parallel_dims_module.device_type = "cpu"
+    config = ParallelismConfig(data_parallel_replicate_degree=dp_replicate,
+                               data_parallel_shard_degree=dp_shard, tensor_parallel_degree=tp,
+                               expert_parallel_degree=ep, spmd_backend="partial_dtensor")
+    dims = ParallelDims.from_config(config, world)
+    dims.build_mesh()
+    return config, dims
+
+
+def sharded_config(config: Llama3Model.Config, parallelism: ParallelismConfig
+                   ) -> Llama3Model.Config:
+    """``config`` with torchtitan's sharding declarations for ``parallelism`` (what the trainer's
+    ``update_from_config`` does before building)."""
+    config.update_from_config(config=types.SimpleNamespace(parallelism=parallelism))
+    return config
 
 
 def build_llama3(flavor: str = "debugmodel", seed: int = 0,
@@ -113,6 +146,8 @@ def token_loss(model: nn.Module, tokens: torch.Tensor, global_tokens: int | None
     """Next-token cross entropy: the mean over ``tokens``, or (torchtitan's rescaling) the sum
     over them divided by ``global_tokens``, the token count of the whole data-parallel batch."""
     logits = model(tokens[:, :-1])
+    if isinstance(logits, DTensor):  # TP's lm_head: vocab-sharded
+        logits = logits.full_tensor()
     loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
                            tokens[:, 1:].reshape(-1), reduction="sum")
     return loss / (tokens[:, 1:].numel() if global_tokens is None else global_tokens)
