@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import matrixfsdp as mf
 from matrixfsdp.optim import RowLayout, get_matrix_optimizer, qkv_row_layout
@@ -77,6 +78,33 @@ def test_qkv_row_layout_matches_torchtitan_module() -> None:
     layout = qkv_row_layout(H, KV, HD)
     for block, name in zip(layout.blocks, ("wq", "wk", "wv"), strict=True):
         assert sd[f"{name}.weight"][:, 0].long().tolist() == list(block), name
+
+
+@pytest.mark.parametrize("per", ["qkv", "head"])
+def test_fused_qkv_split_on_torchtitan_llama3(per: str) -> None:
+    """On torchtitan's Llama3 (GQA: 4 heads, 2 KV groups), every wqkv gets its layout, whose
+    q/k/v blocks hold exactly the rows torchtitan's state dict writes as wq/wk/wv."""
+    pytest.importorskip("torchtitan")
+    from matrixfsdp.optim import fused_qkv_split
+
+    from .titan_models import build_llama3, tiny_llama3_config
+
+    model = build_llama3(config=tiny_llama3_config(n_heads=4, n_kv_heads=2))
+    split = fused_qkv_split(model, per=per)
+    fused = {f for f, _ in model.named_parameters() if f.endswith(".wqkv.weight")}
+    assert set(split) == fused and len(fused) == 2
+    state = model.state_dict()  # torchtitan's hook: wq / wk / wv in place of wqkv
+    params = dict(model.named_parameters())
+    for fqn, layout in split.items():
+        weight = params[fqn].detach()
+        assert layout.rows == weight.shape[0] == (4 + 2 * 2) * 16
+        if per == "head":
+            assert layout.contiguous_sizes() == (16,) * 8
+            continue
+        prefix = fqn.removesuffix("wqkv.weight")
+        for rows, name in zip(layout.blocks, ("wq", "wk", "wv"), strict=True):
+            assert torch.equal(weight[list(rows)], state[f"{prefix}{name}.weight"]), (fqn, name)
+    assert fused_qkv_split(nn.Linear(2, 2)) == {}
 
 
 @pytest.mark.parametrize("blocks,match", [
@@ -340,6 +368,7 @@ def _world(rank: int, world: int, root: str) -> None:
         "soap shuffled": functools.partial(_exact, "soap", RowLayout(SHUFFLED), SHUFFLED),
         "errors": _errors_name_the_parameter,
         "tp": _tp_step_exact,
+        "tp model": _tp_model_exact,
         "checkpoint": functools.partial(_checkpoint_round_trip, root),
         "torch state dict": _torch_state_dict_refuses_another_layout,
     }
@@ -380,6 +409,44 @@ def _tp_step_exact() -> None:
                 for i, block_state in enumerate(ref.state[m.fqn]):
                     for key, value in block_state.items():
                         assert torch.equal(stepper.state[m.param][f"{key}@{i}"], value), key
+
+
+class _TpBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.wqkv = nn.Linear(D, ROWS, bias=False)
+        self.wo = nn.Linear(H * HD, D, bias=False)
+
+
+def _tp_model_exact() -> None:
+    """MatrixOptimizer over a parallelize_module'd model (wqkv Colwise, as torchtitan shards
+    it; wo Rowwise) at dp 1 x tp 2: the row layout reaches the TP step; bit for bit."""
+    mesh = init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(5)
+    model = nn.Module()
+    model.layers = nn.ModuleList([_TpBlock() for _ in range(2)])
+    weights = {f: w.detach().clone() for f, w in model.named_parameters()}
+    for block in model.layers:
+        parallelize_module(block, mesh["tp"], {"wqkv": ColwiseParallel(),
+                                               "wo": RowwiseParallel()})
+    mf.fully_shard_matrix(model, mesh["dp"])
+    params = mf.get_state(model).params
+    assert all(params[f].tp is not None for f in weights)
+    opt = mf.MatrixOptimizer(model, "muon", lr=LR, weight_decay=WD, **_kwargs("muon"),
+                             split={PATTERN: qkv_row_layout(H, KV, HD)})
+    fused = {f: _titan_blocks("qkv") for f in weights if f.endswith("wqkv.weight")}
+    ref = _BlockReference(weights, fused, "muon")
+    named = dict(model.named_parameters())
+    for step in range(STEPS):
+        grads = {f: _grad(f, step, tuple(w.shape)) for f, w in weights.items()}
+        for fqn, mp in params.items():
+            named[fqn].grad = mp.tp.slice_of(grads[fqn], mp.tp.tp_rank).clone()
+        opt.step()
+        opt.zero_grad()
+        ref.step(grads, step + 1)
+    got = full_values(model)
+    for fqn, want in ref.weights.items():
+        assert torch.equal(got[fqn], want), fqn
 
 
 def test_row_layouts_exact_at_world_2(tmp_path: Path) -> None:

@@ -14,13 +14,14 @@ from .registry import (
     matrix_optimizer_names,
     register_matrix_optimizer,
 )
-from .row_layout import RowLayout, qkv_row_layout
+from .row_layout import RowLayout, fused_qkv_split, qkv_row_layout
 
 __all__ = [
     "MatrixOptimizer",
     "MatrixOptimizerSpec",
     "RecommendedHyperparameters",
     "RowLayout",
+    "fused_qkv_split",
     "get_matrix_optimizer",
     "matrix_optimizer_names",
     "qkv_row_layout",

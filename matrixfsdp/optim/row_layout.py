@@ -5,16 +5,17 @@
 row indices of the ``(out, in)`` matrix that form it, in the order the block sees them; every row
 belongs to exactly one block. ``qkv_row_layout`` builds the layout of torchtitan's fused ``wqkv``,
 whose rows interleave per KV group: for each of the ``n_kv_heads`` groups, the group's
-``n_heads // n_kv_heads`` q heads, then one k head, then one v head, ``head_dim`` rows each.
+``n_heads // n_kv_heads`` q heads, then one k head, then one v head, ``head_dim`` rows each;
+``fused_qkv_split`` finds every such module of a model and gives the ``split=`` mapping.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
-__all__ = ["RowLayout", "qkv_row_layout"]
+__all__ = ["RowLayout", "fused_qkv_split", "qkv_row_layout"]
 
 
 @dataclass(frozen=True)
@@ -144,3 +145,32 @@ def qkv_row_layout(
         k.extend(group[-2])
         v.extend(group[-1])
     return RowLayout((tuple(q), tuple(k), tuple(v)))
+
+
+def fused_qkv_split(model: Any, per: Literal["qkv", "head"] = "qkv") -> dict[str, RowLayout]:
+    """``{"<module>.wqkv.weight": qkv_row_layout(...)}`` for every torchtitan-style fused QKV
+    module of ``model`` (wrapped or not), ready for ``MatrixOptimizer(split=...)``.
+
+    A fused QKV module is one with a ``wqkv`` linear and torchtitan ``FusedQKVLinear``'s
+    ``head_dim``, ``heads_per_kv`` and ``r_dim`` (``heads_per_kv + 2``) attributes; its KV group
+    count comes from ``wqkv.out_features`` (the global row count, also under TP or FSDP2).
+    Empty when the model has none.
+    """
+    split = {}
+    for name, module in model.named_modules():
+        wqkv = getattr(module, "wqkv", None)
+        head_dim = getattr(module, "head_dim", None)
+        per_kv, r_dim = getattr(module, "heads_per_kv", None), getattr(module, "r_dim", None)
+        if wqkv is None or not all(isinstance(v, int) for v in (head_dim, per_kv, r_dim)):
+            continue
+        rows = getattr(wqkv, "out_features", None)
+        fqn = f"{name}.wqkv.weight" if name else "wqkv.weight"
+        if r_dim != per_kv + 2 or not isinstance(rows, int) or rows % (r_dim * head_dim):
+            raise ValueError(
+                f"fused_qkv_split: {fqn!r} ({rows} rows) is not a fused QKV of head_dim="
+                f"{head_dim}, heads_per_kv={per_kv}, r_dim={r_dim} (rows must be n_kv_heads * "
+                "r_dim * head_dim with r_dim = heads_per_kv + 2); give its RowLayout explicitly"
+            )
+        n_kv = rows // (r_dim * head_dim)
+        split[fqn] = qkv_row_layout(per_kv * n_kv, n_kv, head_dim, per=per)
+    return split
