@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import logging
 import os
 import statistics
 import sys
@@ -81,6 +82,7 @@ LABELS = {
     "fsdp2_recon": "(b) FSDP2-EP + Muon by reconstruction (all-gather the direction)",
     "transient_owner": "(c) FSDP2-EP + transient-owner all-to-all (DistMuon-style)",
 }
+logger = logging.getLogger(__name__)
 LR, WEIGHT_DECAY, TAIL_LR = 0.02, 0.01, 3e-3
 PHASES = ("forward", "backward", "optimizer")
 
@@ -226,9 +228,11 @@ class _FSDP2EP(_EPStrategy):
     def _group(self, p: DTensor) -> dist.ProcessGroup:
         return self.groups["expert" if p.ndim == 3 else "dense"]
 
+    def direction(self, fqn: str) -> Tensor:
+        return self.muon.direction(self.bufs[fqn], self.params[fqn].grad.to_local())
+
     def directions(self) -> dict[str, Tensor]:
-        return {f: self.muon.direction(self.bufs[f], p.grad.to_local())
-                for f, p in self.params.items()}
+        return {f: self.direction(f) for f in self.params}
 
     def state_tensors(self) -> list[Tensor]:
         tail = [v for st in self.tail.state.values() for v in st.values() if isinstance(v, Tensor)]
@@ -241,8 +245,8 @@ class FSDP2Recon(_FSDP2EP):
     @torch.no_grad()
     def step(self) -> dict[str, int]:
         moved = expert = 0
-        for f, d in self.directions().items():
-            p, group = self.params[f], self._group(self.params[f])
+        for f, p in self.params.items():  # one direction alive at a time
+            d, group = self.direction(f), self._group(p)
             n, me = dist.get_world_size(group), dist.get_rank(group)
             flat = d.new_empty((n * d.shape[0], *d.shape[1:]))
             dist.all_gather_into_tensor(flat, d.contiguous(), group=group)
@@ -346,17 +350,17 @@ def _build(cfg: EPBenchConfig, name: str, mesh: DeviceMesh, dense: DeviceMesh,
 
 def _timed_step(s: _EPStrategy, tokens: Tensor) -> dict[str, Any]:
     dist.barrier()
-    start = time.perf_counter()
+    start, cpu0 = time.perf_counter(), time.process_time()
     loss = s.loss(tokens)
     s.backward(loss)
     dist.barrier()
-    mid = time.perf_counter()
+    mid, cpu1 = time.perf_counter(), time.process_time()
     moved = s.step()
     dist.barrier()
-    end = time.perf_counter()
+    end, cpu2 = time.perf_counter(), time.process_time()
     s.zero_grad()
     return {"fwd_bwd": mid - start, "step": end - mid, "total": end - start,
-            "loss": loss.item(), **moved}
+            "fwd_bwd_cpu": cpu1 - cpu0, "step_cpu": cpu2 - cpu1, "loss": loss.item(), **moved}
 
 
 def _backend_calls(fn: Any) -> int:
@@ -447,6 +451,9 @@ def _summarize(cfg: EPBenchConfig, ranks: list[dict[str, Any]]) -> dict[str, Any
         for key in ("fwd_bwd", "step", "total"):
             slowest = [max(r["samples"][name][i][key] for r in ranks) for i in range(cfg.reps)]
             fig[key] = {"median_s": statistics.median(slowest), "samples_s": slowest}
+        for key in ("fwd_bwd_cpu", "step_cpu"):  # CPU seconds of all ranks together
+            fig[key] = statistics.median(sum(r["samples"][name][i][key] for r in ranks)
+                                         for i in range(cfg.reps))
         for key in ("sent", "recv", "expert_sent"):
             fig[f"{key}_bytes"] = max(r["samples"][name][-1][key] for r in ranks)
         fig["calls"] = max(r["calls"][name] for r in ranks)
@@ -465,6 +472,8 @@ def _summarize(cfg: EPBenchConfig, ranks: list[dict[str, Any]]) -> dict[str, Any
             fig[key]["paired_ratio"] = statistics.median(
                 a / b for a, b in zip(mine, theirs, strict=True))
         fig["peak_ratio"] = fig["peak"] / base["peak"]
+        for key in ("fwd_bwd_cpu", "step_cpu"):
+            fig[f"{key}_ratio"] = fig[key] / base[key]
     return out
 
 
@@ -486,21 +495,24 @@ def render_measured(result: dict[str, Any]) -> str:
         f"{cfg.vocab}; {result['matrices']} Muon parameters (expert stacks, each expert its own "
         f"matrix); global batch {cfg.global_batch} x {cfg.seq_len} tokens; Muon with "
         f"{cfg.ns_dtype} Newton–Schulz; {cfg.reps} interleaved repetitions after {cfg.warmup} "
-        f"warm-up; slowest rank; ratios: medians ÷ (b)'s medians (paired: median over "
-        "repetitions of the ratio in the same repetition). Expert bytes stored per rank in FSDP2 "
+        f"warm-up; wall times of the slowest rank; ratios: medians ÷ (b)'s medians (paired: median "
+        "over repetitions of the ratio in the same repetition); CPU: median over repetitions of "
+        "the process CPU seconds summed over the ranks. Expert bytes stored per rank in FSDP2 "
         f"storage: {_mib(result['expert_bytes_per_rank'])} MiB.", "",
         "| strategy | fwd+bwd median (ms) | ÷ (b) (paired) | step median (ms) | ÷ (b) (paired) "
-        "| total (ms) | step bytes sent / received per rank (MiB); experts' share sent | step "
+        "| total (ms) | CPU s of all ranks, fwd+bwd / step (÷ (b)) | step bytes sent / received per rank (MiB); experts' share sent | step "
         "collectives | peak live "
         "fwd / bwd / step (MiB) | peak ÷ (b) | params vs (a) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|"]
+        "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, f in result["strategies"].items():
         fb, st, tot, mem = f["fwd_bwd"], f["step"], f["total"], f["memory"]
         lines.append(
             f"| {LABELS[name]} | {fb['median_s'] * 1e3:.1f} | {fb.get('ratio', 1):.3f} "
             f"({fb.get('paired_ratio', 1):.3f}) | {st['median_s'] * 1e3:.1f} | "
             f"{st.get('ratio', 1):.3f} ({st.get('paired_ratio', 1):.3f}) | "
-            f"{tot['median_s'] * 1e3:.1f} | {_mib(f['sent_bytes'])} / {_mib(f['recv_bytes'])}; "
+            f"{tot['median_s'] * 1e3:.1f} | {f['fwd_bwd_cpu']:.2f} "
+            f"({f.get('fwd_bwd_cpu_ratio', 1):.3f}) / {f['step_cpu']:.2f} "
+            f"({f.get('step_cpu_ratio', 1):.3f}) | {_mib(f['sent_bytes'])} / {_mib(f['recv_bytes'])}; "
             f"{_mib(f['expert_sent_bytes'])} | "
             f"{f['calls']} | {' / '.join(_mib(mem[ph]) for ph in PHASES)} | "
             f"{f.get('peak_ratio', 1):.3f} | {f['deviation']:.1e} |")
@@ -563,7 +575,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 def _log(msg: str) -> None:
-    print(f"[benchmarks ep-step {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+    if not logger.handlers and not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="[benchmarks ep-step %(asctime)s] "
+                            "%(message)s", datefmt="%H:%M:%S")
+    logger.info(msg)
 
 
 if __name__ == "__main__":
