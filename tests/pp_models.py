@@ -87,17 +87,21 @@ class PPMeshes(NamedTuple):
     dp_size: int
 
 
-def pp_meshes(pp: int, dp: tuple[int, ...], timeout_s: int = 120) -> PPMeshes:
+def pp_meshes(pp: int, dp: tuple[int, ...], timeout_s: int = 120,
+              ranks: list[int] | None = None) -> PPMeshes | None:
     """A ``(pp, *dp)`` rank-major layout on fresh gloo groups: pp groups and the dp mesh.
 
-    ``dp`` is ``(n,)`` for flat owner sharding or ``(replicate, shard)`` for HSDP.
+    ``dp`` is ``(n,)`` for flat owner sharding or ``(replicate, shard)`` for HSDP; ``ranks``
+    (default: the first ``pp * prod(dp)``) are laid out, every other rank gets ``None`` (all
+    ranks must call: they all create every group).
     """
     rank = dist.get_rank()
     timeout = datetime.timedelta(seconds=timeout_s)
     dp_size = 1
     for d in dp:
         dp_size *= d
-    layout = torch.arange(pp * dp_size).view(pp, dp_size)
+    ranks = list(range(pp * dp_size)) if ranks is None else ranks
+    layout = torch.tensor(ranks).view(pp, dp_size)
     mine: dict[str, dist.ProcessGroup] = {}
     grids = {"pp": layout.t(), "dp": layout}
     if len(dp) == 2:
@@ -105,11 +109,13 @@ def pp_meshes(pp: int, dp: tuple[int, ...], timeout_s: int = 120) -> PPMeshes:
         grids["replicate"] = cube.movedim(1, -1).reshape(-1, dp[0])
         grids["shard"] = cube.reshape(-1, dp[1])
     for name, grid in grids.items():  # every rank creates every group, in one order
-        for ranks in grid.tolist():
-            group = dist.new_group(ranks, timeout=timeout)
-            if rank in ranks:
+        for members in grid.tolist():
+            group = dist.new_group(members, timeout=timeout)
+            if rank in members:
                 mine[name] = group
-    pp_rank, dp_rank = divmod(rank, dp_size)
+    if rank not in ranks:
+        return None
+    pp_rank, dp_rank = divmod(ranks.index(rank), dp_size)
     if len(dp) == 1:
         mesh = DeviceMesh.from_group(mine["dp"], "cpu", mesh_dim_names=("dp",))
     else:

@@ -36,7 +36,16 @@ from .checks import (
 )
 from .dist_utils import run_subtests, run_world
 from .models import global_batch, lm_loss, local_batch
-from .pp_models import MULTI, SINGLE, Pipeline, PPMeshes, PPTransformer, build_pipeline, pp_meshes
+from .pp_models import (
+    MULTI,
+    SINGLE,
+    Pipeline,
+    PPMeshes,
+    PPTransformer,
+    build_pipeline,
+    default_parts,
+    pp_meshes,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -107,12 +116,12 @@ def _matrix_fqns(pipe: Pipeline) -> set[str]:
 
 
 def _steps(meshes: PPMeshes, schedule: str, name: str, steps: int = 3, micro: int = 4,
-           wrap_kwargs: dict | None = None) -> None:
+           wrap_kwargs: dict | None = None, parts=default_parts) -> None:
     """``steps`` steps of ``name`` (one MatrixOptimizer per chunk) equal one process (SOAP in
     float64, as tests/test_optim_dist.py runs it: its fp32 eigenbases of rank-deficient factors
     are arbitrary in their null spaces)."""
     full = _full().to(torch.float64 if name == "soap" else torch.float32)
-    pipe = build_pipeline(full, meshes, schedule, micro, **(wrap_kwargs or {}))
+    pipe = build_pipeline(full, meshes, schedule, micro, parts=parts, **(wrap_kwargs or {}))
     kwargs = FREE_RUNNING_KWARGS.get(name, {})
     hyper = {"lr": LR[name], "weight_decay": 0.1}
     opts = [mf.MatrixOptimizer(m, name, **hyper, tail_lr=1e-2, tail_weight_decay=0.1, **kwargs)
@@ -125,6 +134,10 @@ def _steps(meshes: PPMeshes, schedule: str, name: str, steps: int = 3, micro: in
                              weight_decay=0.1)
     reference = RegisteredStepReference({f: named[f] for f in fqns}, tail, name=name,
                                         config=kwargs, **hyper)
+    for module, opt in zip(pipe.modules, opts, strict=True):  # a stage without matrices:
+        kinds = Counter(g["kind"] for g in opt.param_groups for _ in g["params"])  # only its tail
+        assert kinds["matrix"] == len(mf.get_state(module).params), kinds
+        assert kinds["matrix"] + kinds["tail"] == len(list(module.parameters())), kinds
     for step in range(steps):
         tokens, local = _tokens(step, meshes)
         pipe.step(local)
@@ -242,10 +255,26 @@ def _world(rank: int, world: int, pp: int, dp: tuple[int, ...], cases: dict) -> 
 
 
 def _cases_schedules() -> dict:
-    cases: dict = {}
+    cases: dict = _cases_edge_stages()
     for schedule in (*SINGLE, *MULTI):
         cases[f"muon_{schedule}"] = functools.partial(_steps, schedule=schedule, name="muon")
     return cases
+
+
+def _edge_parts(n_stages: int, stage: int) -> tuple[list[int], bool, bool]:
+    """An embedding-only first stage and a norm + head-only last stage: no matrices there."""
+    inner = n_stages - 2
+    per = 4 // inner
+    if stage == 0:
+        return [], True, False
+    if stage == n_stages - 1:
+        return [], False, True
+    return list(range((stage - 1) * per, stage * per)), False, False
+
+
+def _cases_edge_stages() -> dict:
+    return {"no_matrix_stages": functools.partial(
+        _steps, schedule="ScheduleInterleaved1F1B", name="muon", parts=_edge_parts)}
 
 
 def _cases_counts() -> dict:

@@ -5,7 +5,8 @@ matrices and their optimizer state; DCP reshards the FSDP2 tail). Saves are atom
 directory appears only when every rank has finished, so ``latest`` never returns a partial one.
 ``export_full`` and ``load_full_state_dict`` move weights to and from plain, unsharded state dicts,
 Hugging Face model directories (read lazily, each rank reading what it keeps; see
-``sources``) and stock FSDP2 DCP checkpoints.
+``sources``) and stock FSDP2 DCP checkpoints. ``load_stages`` loads the checkpoints of several
+pipeline stages into one model (see [Note: stage checkpoints] in ``stages``).
 
 On disk, ``<path>/`` holds DCP's ``.metadata`` and ``__<rank>_0.distcp`` files, then
 ``matrixfsdp_layout.json`` (see ``CheckpointLayout``) and the ``COMPLETE`` marker.
@@ -23,6 +24,7 @@ from .errors import (
 )
 from .interop import LoadResult, export_full, load_full_state_dict
 from .layout import FORMAT_VERSION, CheckpointLayout
+from .stages import load_stages
 from .storage import is_complete, latest, remove_checkpoint, step_dir
 
 __all__ = [
@@ -40,6 +42,7 @@ __all__ = [
     "latest",
     "load",
     "load_full_state_dict",
+    "load_stages",
     "open_checkpoint",
     "read_layout",
     "remove_checkpoint",
