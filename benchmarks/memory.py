@@ -36,6 +36,7 @@ SIZES: dict[str, dict[str, int]] = {
     "small": {"dim": 256, "layers": 4, "heads": 4, "mlp_hidden": 512},   # 6 MiB of matrices
     "large": {"dim": 768, "layers": 4, "heads": 12, "mlp_hidden": 1536},  # 72 MiB of matrices
     "wide": {"dim": 512, "layers": 4, "heads": 8, "mlp_hidden": 2048},  # 48 MiB; largest 4 MiB
+    "deepwide": {"dim": 512, "layers": 16, "heads": 8, "mlp_hidden": 2048},  # 192 MiB, 4 MiB
     "tiny": {"dim": 32, "layers": 2, "heads": 2, "mlp_hidden": 64, "vocab": 64, "seq_len": 16},
     "deep": {"dim": 32, "layers": 48, "heads": 4, "mlp_hidden": 64},  # latency-bound, 0.8 MiB
 }

@@ -6,9 +6,10 @@ live bytes above the live bytes before it (parameters, gradients and momentum ex
 beside the fp32 matrix's bytes. ``B > 1`` goes through ``batch_owned`` with the given
 ``StepBatching`` (uncapped: ``max_bytes`` = everything; capped: the default).
 
-Part 2 (speed): the whole owner step (``batch_owned`` + ``step_owned``) over ``--count`` small
-same-shape matrices, batched uncapped, batched with the default cap, and unbatched; median of
-``--repeats`` after a warm-up, one thread.
+Part 2 (speed): the whole owner step (``batch_owned`` + ``step_owned``, bf16 Newton–Schulz) over
+``COUNT`` small same-shape matrices (``--small SHAPE:COUNT``), batched uncapped (the batching
+before the cap), batched with the default cap, and unbatched, taking turns step by step; median
+of ``--repeats`` after two warm-up steps, one thread.
 
 See [Note: owner step transients] in ``matrixfsdp.optim.owner_step`` and BENCHMARKS §20.
 """
@@ -33,7 +34,7 @@ from matrixfsdp.optim.functional import MuonConfig
 from matrixfsdp.optim.owner_step import OwnedMatrix, StepBatching, batch_owned, step_owned
 from matrixfsdp.optim.registry import get_matrix_optimizer
 
-__all__ = ["main", "owner_step_transient", "owner_step_transients", "time_owner_step"]
+__all__ = ["main", "owner_step_transient", "owner_step_transients", "time_owner_steps"]
 
 logger = logging.getLogger(__name__)
 _UNCAPPED = StepBatching(True, max_bytes=1 << 62)
@@ -89,18 +90,20 @@ def owner_step_transient(shape: tuple[int, ...], count: int, batching: StepBatch
     return tracker.peak - start
 
 
-def time_owner_step(shape: tuple[int, ...], count: int, batching: StepBatching, ns_dtype: str,
-                    repeats: int, warmup: int = 2) -> float:
-    """Median seconds of one owner step over ``count`` same-shape matrices."""
-    items, config = _items(shape, count), MuonConfig(ns_dtype=ns_dtype)
-    for _ in range(warmup):
-        _step(items, batching, config)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        _step(items, batching, config)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def time_owner_steps(shape: tuple[int, ...], count: int, policies: dict[str, StepBatching],
+                     ns_dtype: str, repeats: int, warmup: int = 2) -> dict[str, float]:
+    """Median seconds of one owner step over ``count`` same-shape matrices per policy; the
+    policies take turns step by step, so machine load hits them alike."""
+    config = MuonConfig(ns_dtype=ns_dtype)
+    items = {name: _items(shape, count) for name in policies}
+    times: dict[str, list[float]] = {name: [] for name in policies}
+    for index in range(warmup + repeats):
+        for name, batching in policies.items():
+            start = time.perf_counter()
+            _step(items[name], batching, config)
+            if index >= warmup:
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def _shape(text: str) -> tuple[int, ...]:
@@ -112,8 +115,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", default=["768x1536", "1536x768", "1024x1024"])
     p.add_argument("--batch", type=int, default=4, help="same-shape matrices in part 1")
-    p.add_argument("--small", nargs="+", default=["64x64", "128x256", "256x256"])
-    p.add_argument("--count", type=int, default=24, help="small matrices in part 2")
+    p.add_argument("--small", nargs="+", default=["64x64:48", "128x512:24", "256x256:24",
+                                                  "512x512:8"],
+                   help="SHAPE:COUNT same-shape matrices per part 2 case")
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--json", action="store_true")
     return p.parse_args(argv)
@@ -134,12 +138,13 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
                                                           StepBatching(True), dtype)}
             memory.append(row)
             logger.info("%s", row)
+    policies = {"uncapped": _UNCAPPED, "capped": StepBatching(True),
+                "unbatched": StepBatching(False)}
     for text in args.small:
-        shape = _shape(text)
-        row = {"shape": text, "count": args.count}
-        for label, batching in (("uncapped", _UNCAPPED), ("capped", StepBatching(True)),
-                                ("unbatched", StepBatching(False))):
-            row[label] = time_owner_step(shape, args.count, batching, "bfloat16", args.repeats)
+        shape, count = _shape(text.split(":")[0]), int(text.split(":")[1])
+        row = {"shape": text.split(":")[0], "count": count,
+               "batches": [len(b) for b in batch_owned(_items(shape, count), policies["capped"])],
+               **time_owner_steps(shape, count, policies, "bfloat16", args.repeats)}
         speed.append(row)
         logger.info("%s", row)
     return {"memory": memory, "speed": speed, "args": vars(args),
@@ -156,11 +161,13 @@ def render(results: dict[str, Any]) -> str:
                  for k in ("single", "batched_uncapped", "batched_capped")]
         lines.append(f"| {r['shape']} | {r['ns_dtype']} | {m / mib:.2f} MiB | " + " | ".join(cells)
                      + " |")
-    lines += ["", "| small shape × count | batched, uncapped ms | batched, default cap ms | "
-              "unbatched ms |", "|---|---|---|---|"]
+    lines += ["", "| small shape × count | default cap's batches | batched, uncapped ms | "
+              "batched, default cap ms | capped ÷ uncapped | unbatched ms |",
+              "|---|---|---|---|---|---|"]
     for r in results["speed"]:
-        lines.append(f"| {r['shape']} × {r['count']} | {1e3 * r['uncapped']:.2f} | "
-                     f"{1e3 * r['capped']:.2f} | {1e3 * r['unbatched']:.2f} |")
+        lines.append(f"| {r['shape']} × {r['count']} | {r['batches']} | "
+                     f"{1e3 * r['uncapped']:.2f} | {1e3 * r['capped']:.2f} | "
+                     f"{r['capped'] / r['uncapped']:.3f} | {1e3 * r['unbatched']:.2f} |")
     return "\n".join(lines)
 
 

@@ -8,6 +8,7 @@ from .defaults import (
     recommended_optimizer_names,
 )
 from .matrix_optimizer import MatrixOptimizer, state_bytes
+from .owner_step import StepBatching
 from .registry import (
     MatrixOptimizerSpec,
     get_matrix_optimizer,
@@ -21,6 +22,7 @@ __all__ = [
     "MatrixOptimizerSpec",
     "RecommendedHyperparameters",
     "RowLayout",
+    "StepBatching",
     "fused_qkv_split",
     "get_matrix_optimizer",
     "matrix_optimizer_names",

@@ -8,19 +8,21 @@ stacks (FSDP2 ``Shard(0)`` of an ``(E, m, n)`` stack holds whole experts; see
 
 [Note: owner step transients]
 What an owner's step allocates beyond its parameters, gradients and state, and how it is bounded
-(measured per rank by ``python -m benchmarks.memory``, BENCHMARKS §20):
-- One matrix, Muon: the Newton–Schulz input ``X`` in ``ns_dtype`` (built from the fp32 gradient
-  and momentum a few rows at a time, so no fp32 copy of the direction exists), normalised in
-  place; per iteration the Gram ``A`` (freed before the new ``X`` exists), ``B = bA + cA²`` and
-  the new ``X``; the update is added to the parameter in place, casting as it reads. Peak:
-  ``2|X| + min(m, n)²`` elements of ``ns_dtype``: 1.25× the fp32 matrix in bf16 for a 1:2
-  matrix, 1.5× for a square one (it was 2.5× and 3×: an fp32 direction, the bf16 copy, its
-  normalised copy and the Gram all alive at once).
+(measured per rank by ``python -m benchmarks.memory``; ``benchmarks.step_memory``; BENCHMARKS §20):
+- One matrix, Muon: the Newton–Schulz input ``X`` in ``ns_dtype`` (in bf16 built from the fp32
+  gradient and momentum a chunk of rows at a time: the larger of 1 MiB and a sixteenth of the
+  matrix, at least 64 rows; so no fp32 copy of the direction exists),
+  normalised in place; per iteration the Gram ``A`` (freed before the new ``X`` exists),
+  ``B = bA + cA²`` and the new ``X``; the update is added to the parameter in place, casting as
+  it reads. Peak: ``2|X| + min(m, n)²`` elements of ``ns_dtype``. Against the fp32 matrix: bf16
+  1.25× for a 1:2 matrix, 1.5× for a square one (were 2.5× and 3×: the fp32 direction, its bf16
+  copy, the normalised copy and the Gram were alive at once); fp32 2.5× and 3× (were 4× and 5×).
 - A batch (``batch_same_shape``): ``step_owned`` stacks each item's parameter, gradient and
-  state into ``(B, *shape)`` copies, then the step's own transients for the batch. A batch is
-  capped by those stacked bytes (``StepBatching.max_bytes``; default the larger of the largest
-  item's and ``DEFAULT_BATCH_BYTES``), not by a matrix count, so batching adds at most about
-  1.5× ``max(largest matrix, DEFAULT_BATCH_BYTES)`` for Muon, whatever the number of matrices.
+  state into ``(B, *shape)`` copies, then runs the step's own transients on the batch. Batches
+  are cut by those stacked bytes (``StepBatching.max_bytes``; default the larger of the largest
+  item's and ``DEFAULT_BATCH_BYTES``), not by a count of matrices: one batched Muon call adds
+  at most about 1.45× the cap with bf16 Newton–Schulz (1.85× with fp32), whatever the number of
+  same-shape matrices (uncapped, it grew with every one: 22× the matrix for four).
 """
 
 from __future__ import annotations

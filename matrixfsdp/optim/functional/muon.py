@@ -95,16 +95,17 @@ def newton_schulz_input(
     with Nesterov (``grad``'s layout), else ``buf.to(dtype)``.
 
     In ``grad``'s own dtype that is one fresh tensor. In another (bf16 Newton–Schulz of an
-    fp32 gradient) it is filled one matrix and at most ``_CHUNK_BYTES`` of rows at a time, so
-    the full-size ``grad``-dtype direction is never materialised.
+    fp32 gradient) it is filled one matrix and a chunk of rows at a time (``_CHUNK_BYTES``, or
+    a sixteenth of the matrix if more: at most 16 chunks, i.e. 32 kernels, per matrix), so the
+    full-size ``grad``-dtype direction is never materialised.
     """
     if not nesterov:
         return buf.to(dtype, copy=True)
     if dtype == grad.dtype:
         return grad.lerp(buf, momentum)
     out = torch.empty_like(grad, dtype=dtype)
-    step = _chunk_rows(grad, _CHUNK_BYTES)
     m = grad.size(-2)
+    step = _chunk_rows(grad, max(_CHUNK_BYTES, m * grad.size(-1) * grad.element_size() // 16))
     for index in itertools.product(*(range(s) for s in grad.shape[:-2])):
         g, bf, o = grad[index], buf[index], out[index]
         for start in range(0, m, step):
