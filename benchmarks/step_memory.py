@@ -113,7 +113,8 @@ def _shape(text: str) -> tuple[int, ...]:
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.step_memory", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shapes", nargs="+", default=["768x1536", "1536x768", "1024x1024"])
+    p.add_argument("--shapes", nargs="*", default=["768x1536", "1536x768", "1024x1024"],
+                   help="part 1 shapes (none: skip part 1)")
     p.add_argument("--batch", type=int, default=4, help="same-shape matrices in part 1")
     p.add_argument("--small", nargs="+", default=["64x64:48", "128x512:24", "256x256:24",
                                                   "512x512:8"],

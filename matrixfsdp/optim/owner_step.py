@@ -21,7 +21,7 @@ What an owner's step allocates beyond its parameters, gradients and state, and h
   state into ``(B, *shape)`` copies, then runs the step's own transients on the batch. Batches
   are cut by those stacked bytes (``StepBatching.max_bytes``; default the larger of the largest
   item's and ``DEFAULT_BATCH_BYTES``), not by a count of matrices: one batched Muon call adds
-  at most about 1.45× the cap with bf16 Newton–Schulz (1.85× with fp32), whatever the number of
+  at most 1.5× the cap with bf16 Newton–Schulz (2× with fp32), whatever the number of
   same-shape matrices (uncapped, it grew with every one: 22× the matrix for four).
 """
 
