@@ -12,6 +12,7 @@ head_dim)`` view of the row indices, split as torchtitan's state-dict hook split
 from __future__ import annotations
 
 import functools
+import importlib.util
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -352,6 +353,29 @@ def _torch_state_dict_refuses_another_layout() -> None:
         other.load_state_dict(state_dict)
 
 
+def _titan_container_round_trip() -> None:
+    """torchtitan's checkpointer path (MatrixOptimizersContainer's flat, FQN-keyed state dict,
+    after its zero-gradient init step): a row layout's per-block state comes back bitwise."""
+    from matrixfsdp.integrations.torchtitan import MatrixOptimizersContainer
+
+    config = MatrixOptimizersContainer.Config(
+        lr=LR, weight_decay=WD, kwargs=_kwargs("muon"), split={PATTERN: qkv_row_layout(H, KV, HD)})
+    model = _build()
+    container = MatrixOptimizersContainer(config, model_parts=[model])
+    _train(model, container.optimizers[0])
+    flat = container.state_dict()
+    assert any(k.endswith("wqkv.weight.momentum_buffer@2") for k in flat), sorted(flat)[:8]
+    fresh = _build()
+    fresh_container = MatrixOptimizersContainer(config, model_parts=[fresh])
+    fresh_container.load_state_dict(flat)
+    saved = full_optimizer_state(model, container.optimizers[0])
+    loaded = full_optimizer_state(fresh, fresh_container.optimizers[0])
+    for fqn, entry in saved.items():
+        assert loaded[fqn].keys() == entry.keys(), fqn
+        for key, value in entry.items():
+            assert torch.equal(loaded[fqn][key], value), (fqn, key)
+
+
 def _world(rank: int, world: int, root: str) -> None:
     qkv, head = qkv_row_layout(H, KV, HD), qkv_row_layout(H, KV, HD, per="head")
     subtests: dict[str, Callable[[], None]] = {
@@ -372,6 +396,8 @@ def _world(rank: int, world: int, root: str) -> None:
         "checkpoint": functools.partial(_checkpoint_round_trip, root),
         "torch state dict": _torch_state_dict_refuses_another_layout,
     }
+    if importlib.util.find_spec("torchtitan") is not None:  # the optional extra
+        subtests["torchtitan container"] = _titan_container_round_trip
     run_subtests(rank, subtests)
     dist.barrier()
 
