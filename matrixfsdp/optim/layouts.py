@@ -13,8 +13,8 @@
   interleave per KV group, or one block per head; ``qkv_row_layout``). Each block is stepped as a
   separate matrix with its own state. A block of consecutive rows is stepped through a view;
   the others are gathered (``index_select``) into a contiguous copy of parameter and gradient,
-  stepped, and scattered back (``write_back_rows``) before the step returns: their transient
-  memory is one copy of those matrices' parameters and gradients. No parameter is split unless
+  stepped, and scattered back (``write_back_rows``) by ``step_owned``, batch by batch: their
+  transient memory is one copy of one batch's parameters and gradients. No parameter is split unless
   asked (``MatrixOptimizer(..., split=...)``): the default steps the matrix the model defines, as
   ``torch.optim.Muon`` would. A layout of one block is no split.
 - Optimizer state is kept in the canonical orientation, one set per block: the step function's

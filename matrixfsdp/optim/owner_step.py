@@ -23,6 +23,10 @@ What an owner's step allocates beyond its parameters, gradients and state, and h
   item's and ``DEFAULT_BATCH_BYTES``), not by a count of matrices: one batched Muon call adds
   at most 1.5× the cap with bf16 Newton–Schulz (2× with fp32), whatever the number of
   same-shape matrices (uncapped, it grew with every one: 22× the matrix for four).
+- Blocks of a row layout (``RowLayout``: gathered rows) are gathered into copies of parameter and
+  gradient by ``step_owned`` for its batch only and scattered back before it returns (they were
+  all gathered before the first step: two copies of every such matrix at once); in a batch
+  those copies come on top of the stacks, up to 2/3 of the cap more for Muon.
 """
 
 from __future__ import annotations
@@ -62,7 +66,9 @@ class OwnedMatrix(NamedTuple):
     grad: Tensor
     state: dict[str, Tensor]  # local views, without "step"
     step: int
-    home: tuple[Tensor, Tensor] | None = None  # gathered rows: (canonical view, row indices)
+    # A block of gathered rows: (parameter view, gradient view, row indices); until step_owned
+    # gathers it, ``param`` and ``grad`` are zero-stride placeholders of the block's shape.
+    home: tuple[Tensor, Tensor, Tensor] | None = None
 
 
 def local(t: Tensor) -> Tensor:
@@ -102,34 +108,70 @@ def owned_blocks(
 ) -> list[OwnedMatrix]:
     """The blocks of ``p`` to step: canonical views of parameter and gradient (``grad``, else
     ``p.grad``), with their state."""
-    params = block_views(local(p), layout)
     grad = p.grad if grad is None else grad
     assert grad is not None  # the caller steps parameters with gradients only
-    grads = block_views(local(grad), layout)
     step = int(state["step"].item())  # a host tensor (init_owned_state): no device sync
     keys = [k for k in state if k != "step"]
+    if layout.rows:
+        return _gathered_blocks(p, grad, state, layout, step, keys)
+    params = block_views(local(p), layout)
+    grads = block_views(local(grad), layout)
     if len(params) == 1:
         return [OwnedMatrix(params[0], grads[0], {k: local(state[k]) for k in keys}, step)]
     n = len(params)
-    first = block_state_key("", 0, n)  # the suffix of block 0's keys
-    base = [k.removesuffix(first) for k in keys if k.endswith(first)]
-    homes: list[tuple[Tensor, Tensor] | None] = [None] * n
-    if layout.rows:  # gathered blocks: scattered back into the parameter by write_back_rows
-        view = canonical_view(local(p), layout.orientation)
-        homes = [(view, rows) for rows in block_row_indices(layout, view.device)]
+    base = _block_keys(keys, n)
     return [
-        OwnedMatrix(param, grad, {k: local(state[block_state_key(k, i, n)]) for k in base}, step,
-                    homes[i])
+        OwnedMatrix(param, grad, {k: local(state[block_state_key(k, i, n)]) for k in base}, step)
         for i, (param, grad) in enumerate(zip(params, grads, strict=True))
     ]
 
 
+def _block_keys(keys: list[str], n: int) -> list[str]:
+    first = block_state_key("", 0, n)  # the suffix of block 0's keys
+    return [k.removesuffix(first) for k in keys if k.endswith(first)]
+
+
+def _gathered_blocks(
+    p: Tensor, grad: Tensor, state: dict[str, Tensor], layout: MatrixLayout, step: int,
+    keys: list[str],
+) -> list[OwnedMatrix]:
+    """A row layout's blocks, not gathered yet: ``step_owned`` gathers each batch's blocks
+    (``index_select`` copies of parameter and gradient) just before stepping them and scatters
+    them back right after, so one batch's copies are alive at a time, not every matrix's."""
+    pview = canonical_view(local(p), layout.orientation)
+    gview = canonical_view(local(grad), layout.orientation)
+    rows_of = block_row_indices(layout, pview.device)
+    n = len(rows_of)
+    base = _block_keys(keys, n) if n > 1 else keys
+    items = []
+    for i, rows in enumerate(rows_of):
+        shape = (*pview.shape[:-2], rows.numel(), pview.shape[-1])
+        state_i = {k: local(state[block_state_key(k, i, n) if n > 1 else k]) for k in base}
+        items.append(OwnedMatrix(_placeholder(pview, shape), _placeholder(gview, shape), state_i,
+                                 step, (pview, gview, rows)))
+    return items
+
+
+def _placeholder(like: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """A zero-stride tensor with ``like``'s dtype and device and ``shape``: what batching and
+    staging read (shape, dtype, device, bytes) without the block's bytes."""
+    return like.new_empty(()).expand(shape)
+
+
+def _gather(item: OwnedMatrix) -> OwnedMatrix:
+    if item.home is None:
+        return item
+    pview, gview, rows = item.home
+    return item._replace(param=pview.index_select(-2, rows), grad=gview.index_select(-2, rows))
+
+
 def write_back_rows(items: Sequence[OwnedMatrix]) -> None:
-    """After the step: copy each gathered block (a row layout's) into its parameter's rows."""
+    """Copy each gathered block (a row layout's) into its parameter's rows. ``step_owned``
+    does this for the blocks it gathered; placeholders (not gathered) are skipped."""
     for item in items:
-        if item.home is not None:
-            view, rows = item.home
-            view.index_copy_(-2, rows, item.param)
+        if item.home is not None and any(item.param.stride()):
+            pview, _, rows = item.home
+            pview.index_copy_(-2, rows, item.param)
 
 
 @dataclass(frozen=True)
@@ -199,8 +241,15 @@ def step_owned(spec: MatrixOptimizerSpec, batch: Sequence[OwnedMatrix], hyper: d
     """One step on a batch: a direct call for one item, else on ``(B, *shape)`` stacks.
 
     Stacking copies each item's parameter, gradient and state (``stacked_bytes``), which
-    ``batch_owned`` caps per call (see [Note: owner step transients]).
+    ``batch_owned`` caps per call (see [Note: owner step transients]). Blocks of a row layout are
+    gathered here and scattered back before it returns.
     """
+    gathered = [_gather(item) for item in batch]
+    _step_batch(spec, gathered, hyper)
+    write_back_rows(gathered)
+
+
+def _step_batch(spec: MatrixOptimizerSpec, batch: Sequence[OwnedMatrix], hyper: dict[str, Any]) -> None:
     step = batch[0].step
     if len(batch) == 1:
         item = batch[0]
