@@ -6,6 +6,9 @@ live bytes above the live bytes before it (parameters, gradients and momentum ex
 beside the fp32 matrix's bytes. ``B > 1`` goes through ``batch_owned`` with the given
 ``StepBatching`` (uncapped: ``max_bytes`` = everything; capped: the default).
 
+Part 1 also steps four torchtitan-style fused ``wqkv`` matrices split q | k | v by a row layout,
+one block at a time: what is held once every block is listed, and the peak.
+
 Part 2 (speed): the whole owner step (``batch_owned`` + ``step_owned``, bf16 Newton–Schulz) over
 ``COUNT`` small same-shape matrices (``--small SHAPE:COUNT``), batched uncapped (the batching
 before the cap), batched with the default cap, and unbatched, taking turns step by step; median
@@ -31,7 +34,15 @@ import torch
 from matrixfsdp.memory import LiveBytesTracker
 from matrixfsdp.optim import matrix_optimizer
 from matrixfsdp.optim.functional import MuonConfig
-from matrixfsdp.optim.owner_step import OwnedMatrix, StepBatching, batch_owned, step_owned
+from matrixfsdp.optim.layouts import MatrixLayout
+from matrixfsdp.optim.owner_step import (
+    OwnedMatrix,
+    StepBatching,
+    batch_owned,
+    init_owned_state,
+    owned_blocks,
+    step_owned,
+)
 from matrixfsdp.optim.registry import get_matrix_optimizer
 
 __all__ = ["main", "owner_step_transient", "owner_step_transients", "time_owner_steps"]
@@ -106,6 +117,40 @@ def time_owner_steps(shape: tuple[int, ...], count: int, policies: dict[str, Ste
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def row_layout_transient(count: int = 4, head_dim: int = 64, kv_groups: int = 2,
+                         q_per_kv: int = 4, dim: int = 512) -> dict[str, int]:
+    """``count`` torchtitan-style fused ``wqkv`` matrices (rows interleaved per KV group: the
+    group's q heads, one k head, one v head) split into q | k | v by a row layout, stepped one
+    block at a time: bytes held once every block is listed (before the first step) and the
+    peak above the start."""
+    per_group = [("q", q_per_kv * head_dim), ("k", head_dim), ("v", head_dim)]
+    blocks: dict[str, list[int]] = {"q": [], "k": [], "v": []}
+    row = 0
+    for _ in range(kv_groups):
+        for name, size in per_group:
+            blocks[name] += range(row, row + size)
+            row += size
+    layout = MatrixLayout(rows=tuple(tuple(b) for b in blocks.values()))
+    spec, config = get_matrix_optimizer("muon"), MuonConfig()
+    params, states = [], []
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(count):
+        p = torch.randn(row, dim, generator=gen)
+        p.grad = torch.randn(row, dim, generator=gen)
+        params.append(p)
+        states.append(init_owned_state(p, spec, config, layout))
+    tracker = LiveBytesTracker().track([t for p in params for t in (p, p.grad)],
+                                       [t for s in states for t in s.values()])
+    start = tracker.current
+    with tracker:
+        items = [it for p, s in zip(params, states, strict=True)
+                 for it in owned_blocks(p, s, layout)]
+        listed = tracker.current - start
+        _step([it._replace(step=1) for it in items], StepBatching(False), config)
+    return {"matrix_bytes": row * dim * 4, "shape": [row, dim], "count": count,
+            "listed": listed, "peak": tracker.peak - start}
+
+
 def _shape(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split("x"))
 
@@ -148,7 +193,8 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
                **time_owner_steps(shape, count, policies, "bfloat16", args.repeats)}
         speed.append(row)
         logger.info("%s", row)
-    return {"memory": memory, "speed": speed, "args": vars(args),
+    rows = row_layout_transient() if args.shapes else None
+    return {"memory": memory, "speed": speed, "rows": rows, "args": vars(args),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
 
 
@@ -162,6 +208,13 @@ def render(results: dict[str, Any]) -> str:
                  for k in ("single", "batched_uncapped", "batched_capped")]
         lines.append(f"| {r['shape']} | {r['ns_dtype']} | {m / mib:.2f} MiB | " + " | ".join(cells)
                      + " |")
+    if results.get("rows"):
+        r = results["rows"]
+        m = r["matrix_bytes"]
+        lines += ["", f"Row layout (q | k | v of {r['count']} fused wqkv, "
+                  f"{r['shape'][0]}×{r['shape'][1]}, {m / mib:.2f} MiB each): held once listed "
+                  f"{r['listed'] / mib:.2f} MiB ({r['listed'] / m:.2f}×), step peak "
+                  f"{r['peak'] / mib:.2f} MiB ({r['peak'] / m:.2f}×)"]
     lines += ["", "| small shape × count | default cap's batches | batched, uncapped ms | "
               "batched, default cap ms | capped ÷ uncapped | unbatched ms |",
               "|---|---|---|---|---|---|"]
