@@ -26,6 +26,7 @@ _EXPORTS = {
     "set_requires_all_reduce": "matrixfsdp.api",
     "set_requires_gradient_sync": "matrixfsdp.api",
     "MatrixOptimizer": "matrixfsdp.optim",
+    "MatrixStepError": "matrixfsdp.optim",
     "register_matrix_optimizer": "matrixfsdp.optim",
     "LPTPlanner": "matrixfsdp.planner",
     "Plan": "matrixfsdp.planner",
@@ -37,6 +38,7 @@ _SUBMODULES = {
 __all__ = [
     "LPTPlanner",
     "MatrixOptimizer",
+    "MatrixStepError",
     "Plan",
     "__version__",
     "checkpoint",
@@ -69,7 +71,7 @@ if TYPE_CHECKING:
         set_requires_all_reduce,
         set_requires_gradient_sync,
     )
-    from .optim import MatrixOptimizer, register_matrix_optimizer
+    from .optim import MatrixOptimizer, MatrixStepError, register_matrix_optimizer
     from .planner import LPTPlanner, Plan
 
 

@@ -144,11 +144,10 @@ def fully_shard_matrix(
             all-reduce over the replicas carries one 4-byte presence flag per matrix with the
             gradients, so a matrix used on some ranks, some replicas or none gets exactly the
             single-device ``.grad`` (``None`` where nothing used it). ``False``: only the
-            gradients cross replicas, the bytes of FSDP2's HSDP all-reduce; every gradient is
-            still exact, but a matrix that no rank of a replica used and whose summed gradient
-            is exactly zero raises ``ValueError`` on its owner in that replica (absent and zero
-            cannot be told apart there). For models whose matrices all take part in every loss
-            (see [Note: presence flags] in ``runtime/group.py``).
+            gradients cross replicas, the bytes of FSDP2's HSDP all-reduce, and the result is
+            the same: presence travels in the sign of a zero (a replica without a gradient for
+            a matrix sends its first element as ``-0.0``), so it never raises, also for a matrix
+            absent from a whole replica (see [Note: presence flags] in ``runtime/group.py``).
         tail_units: which groups' tails (their parameters that are not matrices: norms, biases,
             expert stacks) get an FSDP2 unit of their own. ``"auto"``: a group whose tail holds
             more than ``TAIL_UNIT_MIN_BYTES`` (1 MiB; e.g. sliced 3-D expert stacks); smaller ones

@@ -28,7 +28,7 @@ from ..api import get_state
 from ..runtime import MatrixFSDPState
 from ..runtime.state_dict_view import owner_state_dict
 from ._compat import names
-from ._dist import dcp_errors
+from ._dist import agree, dcp_errors
 from ._statedict import mesh_group, model_targets
 from ._streaming import alias_groups, copy_reads, plan_reads
 from .core import open_checkpoint
@@ -227,8 +227,16 @@ def _detect_prefix(metadata: Metadata, wanted: dict[str, _Wanted], path: Path) -
     return prefix
 
 
-def _load_dcp_dir(model: nn.Module, runtime: MatrixFSDPState, path: Path,
-                  strict: bool) -> LoadResult:
+class _Prepared(NamedTuple):
+    """A checked load: what it returns and how it reads (``read()`` writes the model)."""
+
+    result: LoadResult
+    read: Callable[[], None]
+    name: str
+
+
+def _prepare_dcp_dir(model: nn.Module, runtime: MatrixFSDPState, path: Path,
+                     strict: bool) -> _Prepared:
     metadata = read_metadata(path)
     check_data_files(path, metadata)
     wanted = _model_entries(model, runtime)
@@ -239,11 +247,12 @@ def _load_dcp_dir(model: nn.Module, runtime: MatrixFSDPState, path: Path,
              and k[len(prefix):] in wanted}
     result = _check_source(wanted, infos, {k: k for k in infos}, str(path), strict, {})
     targets = model_targets(model, runtime, infos, prefix=prefix)
-    runtime.quiesce()  # nothing in flight may read a parameter this load writes
-    with torch.no_grad(), dcp_errors(f"reading {path}"):
-        dcp.load(targets, storage_reader=SafeFileSystemReader(str(path)),
-                 process_group=mesh_group(runtime))
-    return result
+
+    def read() -> None:  # collective: DCP plans the reads (and forwards its own failures)
+        with torch.no_grad(), dcp_errors(f"reading {path}"):
+            dcp.load(targets, storage_reader=SafeFileSystemReader(str(path)),
+                     process_group=mesh_group(runtime))
+    return _Prepared(result, read, str(path))
 
 
 def _open_source(path: Path) -> TensorSource | None:
@@ -263,20 +272,41 @@ def _open_source(path: Path) -> TensorSource | None:
     return source
 
 
-def _load_from(model: nn.Module, runtime: MatrixFSDPState, source: TensorSource, strict: bool,
-               key_map: KeyMap | None) -> LoadResult:
+def _prepare_source(model: nn.Module, runtime: MatrixFSDPState, source: TensorSource,
+                    strict: bool, key_map: KeyMap | None) -> _Prepared:
     infos = source.infos()  # metadata only: headers, index, mmap'd pickles
     wanted = _model_entries(model, runtime)
     renamed = _rename(list(infos), wanted, key_map, source.name)
     aliases = alias_groups(model)
     result = _check_source(wanted, infos, renamed, source.name, strict, aliases)
     reads = plan_reads(model, runtime, _read_keys(wanted, renamed, aliases))
-    runtime.quiesce()  # nothing in flight may read a parameter this load writes
-    copy_reads(source, reads)
-    logger.info("matrixfsdp.checkpoint: loaded %d tensors from %s (%d read on this rank, %.1f MiB)",
-                len(wanted) - len(result.missing_keys), source.name, len(reads),
-                sum(r.target.numel() * r.target.element_size() for r in reads) / 2**20)
-    return result
+
+    def read() -> None:
+        copy_reads(source, reads)
+        logger.info("matrixfsdp.checkpoint: loaded %d tensors from %s (%d read on this rank, "
+                    "%.1f MiB)", len(wanted) - len(result.missing_keys), source.name, len(reads),
+                    sum(r.target.numel() * r.target.element_size() for r in reads) / 2**20)
+    return _Prepared(result, read, source.name)
+
+
+def _prepare(model: nn.Module, runtime: MatrixFSDPState,
+             source: Mapping[str, torch.Tensor] | str | os.PathLike[str], strict: bool,
+             key_map: KeyMap | None, opened: list[TensorSource]) -> _Prepared:
+    """Open and check ``source`` (nothing written); lazy sources opened go in ``opened``."""
+    if isinstance(source, Mapping):
+        opened.append(MappingSource(source))
+    else:
+        path = Path(source)
+        lazy = _open_source(path)
+        if lazy is None:
+            if key_map is not None:
+                raise NotImplementedError(
+                    f"{path}: key_map applies to files, mappings and Hugging Face directories, "
+                    "not to DCP checkpoints"
+                )
+            return _prepare_dcp_dir(model, runtime, path, strict)
+        opened.append(lazy)
+    return _prepare_source(model, runtime, opened[0], strict, key_map)
 
 
 def load_full_state_dict(
@@ -300,8 +330,11 @@ def load_full_state_dict(
       (keys prefixed ``model.``, ``app.model.``, ``module.`` or none) or a matrixfsdp one
       (collective: DCP plans the reads).
 
-    For mappings, files and Hugging Face directories nothing is communicated: an owner reads
-    its matrices whole, every rank the rows of its FSDP2 shards and the buffers, one tensor at a
+    Collective. For mappings, files and Hugging Face directories no tensor is communicated: two
+    4-byte-per-rank all-reduces make a failure on one rank (a corrupt or missing file there, a
+    model that differs) an error on every rank: after the checks, before anything is written,
+    and after the reads (the failing rank raises its own error, the others a
+    ``CheckpointError`` naming it). An owner reads its matrices whole, every rank the rows of its FSDP2 shards and the buffers, one tensor at a
     time, so the extra memory is about one tensor (see ``[Note: what each rank reads in a
     full-weight load]``).
 
@@ -321,17 +354,25 @@ def load_full_state_dict(
     model's names, ``unexpected_keys`` in the source's.
     """
     runtime = get_state(model)
-    if isinstance(source, Mapping):
-        lazy: TensorSource | None = MappingSource(source)
-    else:
-        path = Path(source)
-        lazy = _open_source(path)
-        if lazy is None:
-            if key_map is not None:
-                raise NotImplementedError(
-                    f"{path}: key_map applies to files, mappings and Hugging Face directories, "
-                    "not to DCP checkpoints"
-                )
-            return _load_dcp_dir(model, runtime, path, strict)
-    with lazy:
-        return _load_from(model, runtime, lazy, strict, key_map)
+    group = mesh_group(runtime)
+    opened: list[TensorSource] = []
+    prepared: _Prepared | None = None
+    error: BaseException | None = None
+    try:
+        prepared = _prepare(model, runtime, source, strict, key_map, opened)
+    except Exception as exc:  # forwarded: no rank writes a parameter while another failed
+        error = exc
+    what = source if isinstance(source, (str, os.PathLike)) else "the state dict"
+    try:
+        agree(error, group, f"checking {what} against the model")
+        assert prepared is not None  # agree() raised otherwise
+        runtime.quiesce()  # nothing in flight may read a parameter this load writes
+        try:
+            prepared.read()
+        except Exception as exc:  # forwarded: no rank trains on while another failed
+            error = exc
+        agree(error, group, f"reading {prepared.name}")
+    finally:
+        for lazy in opened:
+            lazy.close()
+    return prepared.result

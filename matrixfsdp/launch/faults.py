@@ -138,13 +138,22 @@ def agree_on_checkpoint(root: Path, rank: int, device: torch.device) -> Path | N
     """Collective: rank 0's ``latest(root)``, the same path on every rank (None if none)."""
     from ..checkpoint import latest
 
-    name = b""
+    name, failure = b"", None
     if rank == 0:
-        found = latest(root)
-        name = b"" if found is None else found.name.encode()
-    length = torch.tensor([len(name)], dtype=torch.int64, device=device)
+        try:
+            found = latest(root)
+            name = b"" if found is None else found.name.encode()
+        except Exception as exc:  # forwarded: every rank must leave, not wait in a collective
+            failure = exc
+            logger.exception("resume: looking for the latest checkpoint under %s failed", root)
+    length = torch.tensor([-1 if failure else len(name)], dtype=torch.int64, device=device)
     with record_function("matrixfsdp::agree_on_checkpoint"):
         dist.broadcast(length, src=0)
+        if int(length.item()) < 0:
+            if failure is not None:
+                raise failure
+            raise RuntimeError(f"resume: rank 0 failed to look for a checkpoint under {root}; "
+                               "its log holds the cause")
         data = torch.zeros(int(length.item()), dtype=torch.uint8, device=device)
         if rank == 0 and name:
             data.copy_(torch.frombuffer(bytearray(name), dtype=torch.uint8))

@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import matrixfsdp as mf
 
+from ..checkpoint._dist import on_coordinator
 from . import faults
 from .config import TrainConfig, load_config
 from .data import ByteCorpus
@@ -249,10 +250,14 @@ def _save(ctx: RunContext, step: int) -> None:
     extra = {"config": ctx.cfg.model_dump(),
              "skipped_steps": int(getattr(ctx.optimizer, "skipped_steps", 0))}
     mf.checkpoint.save(path, ctx.model, ctx.optimizer, step=step, extra=extra)
-    if ctx.rank == 0:
+
+    def prune() -> None:
         done = sorted(p for p in ctx.checkpoint_root.glob("step_*") if p.is_dir() and p != path)
         for old in done[: max(0, len(done) - (ctx.cfg.keep_checkpoints - 1))]:
             mf.checkpoint.remove_checkpoint(old)
+
+    # Rank 0's file operations end in an agreement: a failure there raises on every rank.
+    on_coordinator(prune, None, "removing old checkpoints")
 
 
 def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False) -> list[dict[str, Any]]:
@@ -284,12 +289,18 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False) ->
                 progress.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
     if progress is not None:
         progress.close()
-    if ctx.rank == 0:
-        from .report import write_report
-
-        write_report(ctx.out, ctx.metrics, cfg, ctx.corpus.unigram_loss(), mf.get_plan(ctx.model))
-    dist.barrier()  # leave together: a rank tearing down early can abort gloo peers
+    _finish(ctx)
     return ctx.metrics
+
+
+def _finish(ctx: RunContext) -> None:
+    """The report on rank 0, then an agreement every rank waits for: all leave together (a rank
+    tearing down early can abort gloo peers), and a failed report raises on every rank."""
+    from . import report
+
+    on_coordinator(lambda: report.write_report(ctx.out, ctx.metrics, ctx.cfg,
+                                               ctx.corpus.unigram_loss(), mf.get_plan(ctx.model)),
+                   None, "writing the report")
 
 
 def _progress(ctx: RunContext, start: int):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from .agreement import MatrixStepError
 from .defaults import (
     RecommendedHyperparameters,
     recommended_hyperparameters,
@@ -20,6 +21,7 @@ from .row_layout import RowLayout, fused_qkv_split, qkv_row_layout
 __all__ = [
     "MatrixOptimizer",
     "MatrixOptimizerSpec",
+    "MatrixStepError",
     "RecommendedHyperparameters",
     "RowLayout",
     "StepBatching",

@@ -33,6 +33,7 @@ from ..api import get_state, global_grad_norm
 from ..collectives import Phase, comm_phase
 from ..nonfinite import discard_global_norm, take_global_norm
 from ..runtime.optim_state_view import install_optimizer_state_view
+from .agreement import StepFailures, agree_on_step, finite_flags, probe_torch_class
 from .layouts import (
     MatrixLayout,
     SplitSpec,
@@ -117,6 +118,14 @@ class MatrixOptimizer(torch.optim.Optimizer):
             ``skipped_steps`` / ``last_step_skipped`` record it. The decision reuses the norm of
             a ``clip_grad_norm_`` call made since the last step (no extra collective), else
             costs one scalar all-reduce (see [Note: skipping non-finite steps]).
+        agree_on_error: opt-in. Make any failure in an owner's local step (an exception, or a
+            NaN/inf gradient) the same ``MatrixStepError`` on every rank, naming the matrix's
+            FQN and step, at the cost of one 4-byte all-reduce per step. The default
+            (``False``) keeps the step free of collectives and still never lets a NaN/inf
+            gradient or a non-converging eigensolver stop one rank alone: a matrix whose
+            gradient is not finite is skipped on its owner, with a warning naming its FQN and
+            step, and listed in ``nonfinite_matrices`` (see [Note: step agreement] in
+            ``matrixfsdp.optim.agreement``).
         **optimizer_kwargs: the matrix optimizer's hyperparameters (e.g. Muon's ``momentum``,
             ``nesterov``, ``ns_steps``; OKLS's ``beta1``, ``beta2``, ``eps``).
 
@@ -155,6 +164,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
         split: SplitSpec | None = None,
         offload_state: str | None = None,
         skip_nonfinite: bool = False,
+        agree_on_error: bool = False,
         **optimizer_kwargs: Any,
     ) -> None:
         _check_rates(lr=lr, weight_decay=weight_decay, tail_lr=tail_lr,
@@ -182,6 +192,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
         if self._matrix_cls is not None:
             _check_torch_class(self._matrix_cls, matrix_group["split"],
                                [f for f in fqns if orientation[f] != "out_in"])
+            probe_torch_class(self._matrix_cls, matrix_group, runtime.plan.params, set(fqns))
         self._tp = _tp_entries(runtime, self._matrix_cls, self._spec)
         self._tp_elsewhere = {id(mp.sharded) for mp in runtime.params.values()
                               if getattr(mp, "tp", None) is not None and not mp.is_owner}
@@ -209,6 +220,9 @@ class MatrixOptimizer(torch.optim.Optimizer):
             batch_same_shape, any(p.is_cuda for p in matrices) and not self._placement.offloaded)
         self.batch_same_shape = self.step_batching.same_shape
         self.skip_nonfinite = bool(skip_nonfinite)
+        self.agree_on_error = bool(agree_on_error)
+        self._steps_called = 0
+        self.nonfinite_matrices: list[tuple[int, str]] = []  # (step, fqn) skipped on this rank
         self.skipped_steps = 0  # steps skipped for a non-finite gradient norm (this process)
         self.last_step_skipped = False
         self.tp_step_bytes = 0  # bytes this rank sent in tp groups in the last step (TP matrices)
@@ -306,9 +320,13 @@ class MatrixOptimizer(torch.optim.Optimizer):
                 self.zero_grad(set_to_none=True)
                 return loss
             discard_global_norm(self._runtime)
+            self._steps_called += 1
+            failures = StepFailures(self._steps_called) if self.agree_on_error else None
             for index, group in enumerate(self.param_groups):
                 if group.get("kind") == "matrix":
-                    self._step_matrices(index, group)
+                    self._step_matrices(index, group, failures)
+            if failures is not None:  # one scalar all-reduce: the same verdict on every rank
+                agree_on_step(self._runtime, failures)
             if self._tail_inner is not None:  # once, over every tail group
                 self._tail_inner.step()
         return loss
@@ -336,7 +354,8 @@ class MatrixOptimizer(torch.optim.Optimizer):
             "so far); parameters and optimizer state are unchanged", float(norm), self.skipped_steps)
         return True
 
-    def _step_matrices(self, index: int, group: dict[str, Any]) -> None:
+    def _step_matrices(self, index: int, group: dict[str, Any],
+                       failures: StepFailures | None = None) -> None:
         # Sharded stacks are DTensors: every rank keeps (possibly empty) state for them, so all
         # ranks agree on the state's keys; plain matrices have state on their owner only, TP
         # matrices on their step owner (the TP step below).
@@ -345,8 +364,17 @@ class MatrixOptimizer(torch.optim.Optimizer):
         tp_owned = [p for p in group["params"] if id(p) in self._tp and _tp_steps(p)]
         if not owned and not tp_owned:
             return
+        if failures is not None:
+            failures.watch([self._fqn_of[id(p)] for p in owned], [local(p.grad) for p in owned])
+        elif not self.skip_nonfinite:  # skip_nonfinite=True: the global norm is finite already
+            owned = self._skip_nonfinite([self._fqn_of[id(p)] for p in owned], owned)
         if self._matrix_cls is not None:
-            self._step_with_torch_class(index, group)
+            try:
+                self._step_with_torch_class(index, group)
+            except Exception as exc:  # agreed on every rank by agree_on_step
+                if failures is None:
+                    raise
+                failures.record([self._fqn_of[id(p)] for p in owned], exc)
             return
         spec = self._spec
         assert spec is not None  # one of the two is always set by _matrix_group
@@ -354,19 +382,60 @@ class MatrixOptimizer(torch.optim.Optimizer):
         hyper = {"lr": group["lr"], "weight_decay": group["weight_decay"],
                  "initial_lr": group["initial_lr"], "config": config}
         layouts = self._layouts(group)
-        items = self._owned_items(owned, spec, config, layouts)
-        for batch in self._placement.staged(batch_owned(items, self.step_batching)):
-            step_owned(spec, batch, hyper)
-        write_back_rows(items)  # blocks of a row layout were stepped as gathered copies
+        try:
+            self._step_owned(owned, spec, config, layouts, hyper, failures)
+        except Exception as exc:  # e.g. building state; agreed on every rank by agree_on_step
+            if failures is None:
+                raise
+            failures.record([self._fqn_of[id(p)] for p in owned], exc)
         if tp_owned:
             matrices = [TpMatrix(fqn, p, tp, owner, layouts[id(p)])
                         for p in tp_owned for fqn, tp, owner in (self._tp[id(p)],)]
-            stepper = WholeStepper(spec, hyper, self.state, self._placement, self.step_batching)
+            on_nonfinite = None if failures is not None or self.skip_nonfinite else \
+                self._skip_nonfinite
+            stepper = WholeStepper(spec, hyper, self.state, self._placement, self.step_batching,
+                                   failures, on_nonfinite)
             self.tp_step_bytes += step_tp_matrices(matrices, stepper).bytes_sent
+
+    def _skip_nonfinite(self, fqns: list[str], params: list[Any]) -> list[Any]:
+        """The entries of ``params`` whose gradient is finite (one host read); the others are
+        skipped on this owner before anything of them changes (see [Note: step agreement])."""
+        grads = [local(p.grad) if isinstance(p, torch.Tensor) else p.grad for p in params]
+        flags = finite_flags(grads)
+        kept = []
+        for fqn, p, finite in zip(fqns, params, flags, strict=True):
+            if finite:
+                kept.append(p)
+                continue
+            self.nonfinite_matrices.append((self._steps_called, fqn))
+            if isinstance(p, torch.Tensor):
+                p.grad = None  # a torch.optim class then skips it too
+            logger.warning(
+                "matrixfsdp: optimizer step %d skipped matrix %r on its owner: its gradient holds "
+                "NaN/inf (dropped; parameter and state unchanged; the other matrices stepped). "
+                "Pass skip_nonfinite=True to skip the whole step on every rank, or "
+                "agree_on_error=True to raise on every rank", self._steps_called, fqn)
+        return kept
+
+    def _step_owned(
+        self, owned: list[nn.Parameter], spec: MatrixOptimizerSpec, config: Any,
+        layouts: dict[int, MatrixLayout], hyper: dict[str, Any], failures: StepFailures | None,
+    ) -> None:
+        fqn_of: dict[int, str] = {}
+        items = self._owned_items(owned, spec, config, layouts, fqn_of)
+        for batch in self._placement.staged(batch_owned(items, self.step_batching)):
+            try:
+                step_owned(spec, batch, hyper)
+            except Exception as exc:  # owner-local: agreed on every rank by agree_on_step
+                if failures is None:
+                    raise
+                fqns = list(dict.fromkeys(fqn_of[id(item.grad)] for item in batch))
+                failures.record(fqns, exc, [item.grad for item in batch], batch[0].step)
+        write_back_rows(items)  # blocks of a row layout were stepped as gathered copies
 
     def _owned_items(
         self, owned: list[nn.Parameter], spec: MatrixOptimizerSpec, config: Any,
-        layouts: dict[int, MatrixLayout],
+        layouts: dict[int, MatrixLayout], fqn_of: dict[int, str],
     ) -> list[OwnedMatrix]:
         items = []
         for p in owned:
@@ -377,7 +446,9 @@ class MatrixOptimizer(torch.optim.Optimizer):
             state["step"] += 1
             if local(p).numel() == 0:
                 continue  # a rank with no experts of this stack: nothing to compute
-            items += owned_blocks(p, state, layouts[id(p)])
+            blocks = owned_blocks(p, state, layouts[id(p)])
+            fqn_of.update((id(item.grad), self._fqn_of[id(p)]) for item in blocks)
+            items += blocks
         return items
 
     def _layouts(self, group: dict[str, Any]) -> dict[int, MatrixLayout]:

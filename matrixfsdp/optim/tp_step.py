@@ -55,6 +55,7 @@ from torch import Tensor
 from torch.profiler import record_function
 
 from ..planner import COST_MODELS, matrix_cost
+from .agreement import StepFailures
 from .layouts import MatrixLayout
 from .offload import OnDevice, StatePlacement
 from .owner_step import (
@@ -192,8 +193,24 @@ class WholeStepper:
     state: MutableMapping[Tensor, dict[str, Any]]
     placement: StatePlacement = field(default_factory=OnDevice)
     batch_same_shape: bool | StepBatching = False
+    failures: StepFailures | None = None  # agree_on_error: record, let the exchange go on
+    # Default: drops wholes whose gradient is not finite (they go back unchanged).
+    on_nonfinite: Callable[[list[str], list[WholeMatrix]], list[WholeMatrix]] | None = None
 
     def __call__(self, wholes: Sequence[WholeMatrix]) -> None:
+        if self.failures is None:
+            if self.on_nonfinite is not None:
+                wholes = self.on_nonfinite([w.matrix.fqn for w in wholes], list(wholes))
+            self._step(wholes)
+            return
+        grads = [w.grad for w in wholes]
+        self.failures.watch([w.matrix.fqn for w in wholes], grads)
+        try:
+            self._step(wholes)
+        except Exception as exc:  # agreed on every rank after the exchange (agree_on_step)
+            self.failures.record([w.matrix.fqn for w in wholes], exc, grads)
+
+    def _step(self, wholes: Sequence[WholeMatrix]) -> None:
         items: list[OwnedMatrix] = []
         for whole in wholes:
             state = self.state.setdefault(whole.matrix.param, {})

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import Tensor
 
-__all__ = ["batched_addmm", "dtype_from_name", "inverse_root_eigh"]
+__all__ = ["batched_addmm", "dtype_from_name", "inverse_root_eigh", "robust_eigh"]
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
@@ -34,6 +38,27 @@ def batched_addmm(c: Tensor, a: Tensor, b: Tensor, *, beta: float, alpha: float)
     return out.reshape(*lead, *out.shape[-2:])
 
 
+def robust_eigh(X: Tensor) -> tuple[Tensor, Tensor]:
+    """``torch.linalg.eigh`` of symmetric ``X`` that does not give up on ill-conditioning.
+
+    An eigensolver that fails to converge raises ``LinAlgError`` on the owner alone, which would
+    leave its peers waiting (see [Note: step agreement] in ``matrixfsdp.optim.agreement``).
+    Retried in float64 with a diagonal shift of ``1e-12 * (|tr X| / d + 1)``, removed from the
+    eigenvalues afterwards; returned in ``X.dtype``. NaN/inf input still raises.
+    """
+    try:
+        return torch.linalg.eigh(X)
+    except torch.linalg.LinAlgError:
+        d = X.shape[-1]
+        X64 = X.to(torch.float64)
+        shift = 1e-12 * (X64.diagonal(dim1=-2, dim2=-1).sum(-1).abs() / d + 1.0)
+        eye = torch.eye(d, dtype=torch.float64, device=X.device)
+        evals, evecs = torch.linalg.eigh(X64 + shift[..., None, None] * eye)
+        logger.warning("matrixfsdp: eigh of a %s factor did not converge in %s; solved in "
+                       "float64 with a 1e-12 relative shift", tuple(X.shape), X.dtype)
+        return (evals - shift[..., None]).to(X.dtype), evecs.to(X.dtype)
+
+
 def inverse_root_eigh(
     A: Tensor,
     root: float,
@@ -60,7 +85,7 @@ def inverse_root_eigh(
     c = (X.diagonal(dim1=-2, dim2=-1).sum(-1) / d).clamp_min(tiny)
     if relative_to is None:
         c = c.clamp_min(eps)
-    evals, evecs = torch.linalg.eigh(X / c[..., None, None])
+    evals, evecs = robust_eigh(X / c[..., None, None])
     evals = evals.clamp_min(0.0)
     if relative_to == "max":
         reg = eps * evals[..., -1:]

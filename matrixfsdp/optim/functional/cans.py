@@ -40,6 +40,8 @@ from functools import lru_cache
 import torch
 from torch import Tensor
 
+from ._linalg import robust_eigh
+
 __all__ = [
     "CANS_COEFFICIENTS",
     "cans_scalar_bounds",
@@ -258,7 +260,7 @@ def inverse_sqrt_eigh(S: Tensor, eps: float = 0.0, *, dtype: torch.dtype | None 
     """
     work = torch.float64 if dtype is None else dtype
     S_ = S.to(work)
-    evals, evecs = torch.linalg.eigh((S_ + S_.mT) * 0.5)
+    evals, evecs = robust_eigh((S_ + S_.mT) * 0.5)
     scale = (evals.clamp_min(0.0) + eps).rsqrt()
     return ((evecs * scale.unsqueeze(-2)) @ evecs.mT).to(S.dtype)
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._linalg import batched_addmm
+from ._linalg import batched_addmm, robust_eigh
 from .config import SOAPConfig
 
 __all__ = ["soap_direction", "soap_init_state", "soap_step"]
@@ -69,7 +69,7 @@ def _accumulate_factors(g: Tensor, state: dict[str, Tensor], beta: float) -> Non
 
 def _eigenbasis_descending(A: Tensor) -> Tensor:
     """Eigenvectors of symmetric ``A`` as columns, largest eigenvalue first."""
-    _, vecs = torch.linalg.eigh((A + A.mT) * 0.5)
+    _, vecs = robust_eigh((A + A.mT) * 0.5)
     return vecs.flip(-1)
 
 
