@@ -62,10 +62,10 @@ GRAD_RTOL = 1e-5
 FP32 = TrainingConfig(mixed_precision_param="float32")
 
 
-def container_config() -> MatrixOptimizersContainer.Config:
+def container_config(**changes) -> MatrixOptimizersContainer.Config:
     return MatrixOptimizersContainer.Config(
         lr=LR, weight_decay=WD, kwargs=dict(MUON), tail_lr=TAIL_LR, tail_weight_decay=WD,
-        tail_kwargs=dict(TAIL), implementation="for-loop")
+        tail_kwargs=dict(TAIL), implementation="for-loop", **changes)
 
 
 def _canonical(values: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor | None]:
@@ -89,12 +89,13 @@ def _parallelize(model: nn.Module, parallelism, dims, ac=None) -> nn.Module:
                           compile_config=CompileConfig(), ac_config=ac, dump_folder="/tmp")
 
 
-def _train(ref: nn.Module, model: nn.Module, dp_rank: int, dp: int, vocab: int) -> list[float]:
-    """3 free-running steps: the trainer's loss and container vs one process."""
-    reference = MuonReference(ref, expected_matrices(ref))
-    optimizers = container_config().build(model_parts=[model])
+def _train(ref: nn.Module, model: nn.Module, dp_rank: int, dp: int, vocab: int,
+           steps: int = 3, qkv_split: str = "none") -> list[float]:
+    """Free-running steps: the trainer's loss and container vs one process."""
+    reference = MuonReference(ref, expected_matrices(ref), qkv=qkv_split == "qkv")
+    optimizers = container_config(qkv_split=qkv_split).build(model_parts=[model])
     errors = []
-    for step in range(3):
+    for step in range(steps):
         tokens = batch(step, vocab)
         token_loss(ref, tokens).backward()
         token_loss(model, shard(tokens, dp_rank, dp), tokens[:, 1:].numel()).backward()
@@ -140,8 +141,20 @@ def _world2(rank: int, world: int) -> None:
         "selected": functools.partial(_check_selected, ref, model),
         "train": functools.partial(_train, ref, model, rank, world, 2048),
         "container": functools.partial(_container, rank, world, model),
+        "qkv_split": functools.partial(_qkv_split, rank, world, parallelism, dims),
         "refusals": functools.partial(_refusals, world),
+        "clip": functools.partial(_clip, rank, world),
     })
+
+
+def _qkv_split(rank: int, world: int, parallelism, dims) -> None:
+    """``qkv_split="qkv"``: each GQA ``wqkv`` steps as torchtitan's own wq / wk / wv."""
+    ref = build_llama3(config=tiny_llama3_config())
+    model = _parallelize(copy.deepcopy(ref), parallelism, dims)
+    split = container_config(qkv_split="qkv").build(model_parts=[model]).optimizers[0]
+    wqkv = {f for f in expected_matrices(ref) if f.endswith("wqkv.weight")}
+    assert set(split.param_groups[0]["split"]) == wqkv, split.param_groups[0]["split"]
+    _train(ref, model, rank, world, 256, steps=2, qkv_split="qkv")
 
 
 def _refusals(world: int) -> None:
@@ -155,6 +168,42 @@ def _refusals(world: int) -> None:
             model = config.build()
         with pytest.raises(NotImplementedError, match=setting):
             _parallelize(model, parallelism, bad)
+
+
+def _clip(rank: int, world: int) -> None:
+    """MatrixTrainer's stand-in for torchtitan's clip_grad_norm_: the one-process norm."""
+    from matrixfsdp.integrations.torchtitan_configs import matrix_clip_grad_norm
+
+    parallelism, dims = cpu_parallel_dims(world)
+    ref = build_llama3(config=tiny_llama3_config())
+    model = _parallelize(copy.deepcopy(ref), parallelism, dims)
+    tokens = batch(9, 256)
+    token_loss(ref, tokens).backward()
+    token_loss(model, shard(tokens, rank, world), tokens[:, 1:].numel()).backward()
+    want = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()])
+    clip = matrix_clip_grad_norm([model])
+    got = clip(list(model.parameters()), 1e9, foreach=True, pp_mesh=None, ep_enabled=False)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    with pytest.raises(NotImplementedError, match="pipeline"):
+        matrix_clip_grad_norm([model, model])([], 1.0)
+
+
+def test_module_config() -> None:
+    """``--module matrixfsdp.integrations.torchtitan_configs --config llama3_debugmodel`` parses
+    through torchtitan's ConfigManager (tyro) into a MatrixTrainer config with our pieces."""
+    from torchtitan.config import ConfigManager
+
+    from matrixfsdp.integrations.torchtitan_configs import MatrixTrainer
+
+    config = ConfigManager().parse_args([
+        "--module", "matrixfsdp.integrations.torchtitan_configs", "--config", "llama3_debugmodel",
+        "--optimizer.lr", "0.01", "--optimizer.qkv_split", "qkv"])
+    assert isinstance(config, MatrixTrainer.Config) and config._owner is MatrixTrainer
+    assert config.model_spec.parallelize_fn is parallelize_fn
+    assert isinstance(config.optimizer, MatrixOptimizersContainer.Config)
+    assert config.optimizer.lr == 0.01 and config.optimizer.qkv_split == "qkv"
+    assert config.parallelism.spmd_backend == "partial_dtensor"
+    assert config.training.disable_cuda_graphs
 
 
 def test_world2_debugmodel() -> None:

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 from torchtitan.config import ParallelismConfig
 from torchtitan.distributed import ParallelDims
 from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
-from torchtitan.models.common.attention import ScaledDotProductAttention
+from torchtitan.models.common.attention import FusedQKVLinear, ScaledDotProductAttention
 from torchtitan.models.common.config_utils import make_ffn_config, make_gqa_config
 from torchtitan.models.llama3 import Llama3Model, Llama3TransformerBlock, model_registry
 
@@ -156,14 +156,19 @@ def token_loss(model: nn.Module, tokens: torch.Tensor, global_tokens: int | None
 class MuonReference:
     """One process: functional Muon on each named matrix, torch AdamW on every other parameter."""
 
-    def __init__(self, model: nn.Module, matrices: set[str]) -> None:
+    def __init__(self, model: nn.Module, matrices: set[str], qkv: bool = False) -> None:
+        """``qkv``: each fused ``wqkv`` steps as the ``wq``/``wk``/``wv`` that torchtitan's
+        ``FusedQKVLinear`` state-dict hook splits it into (and merges back with its load hook)."""
         self.model = model
+        self.fused = {f"{name}.wqkv.weight": m for name, m in model.named_modules()
+                      if isinstance(m, FusedQKVLinear)} if qkv else {}
         self.spec = get_matrix_optimizer("muon")
         self.config = self.spec.make_config(MUON)
         named = dict(model.named_parameters())
         self.matrices = {f: named[f] for f in sorted(matrices)}
-        self.states = {f: self.spec.init_state_fn(p.detach(), self.config)
-                       for f, p in self.matrices.items()}
+        self.states = {(f, i): self.spec.init_state_fn(block, self.config)
+                       for f, p in self.matrices.items()
+                       for i, block in enumerate(self._blocks(f, p.detach()))}
         self.tail = torch.optim.AdamW([p for f, p in named.items() if f not in matrices],
                                       lr=TAIL_LR, weight_decay=WD, **TAIL)
         self.steps = 0
@@ -172,9 +177,27 @@ class MuonReference:
     def step(self) -> None:
         self.steps += 1
         for fqn, p in self.matrices.items():
-            w = p.detach().clone()
-            self.spec.step_fn(w, p.grad.clone(), self.states[fqn], lr=LR, weight_decay=WD,
-                              step=self.steps, initial_lr=LR, config=self.config)
-            p.copy_(w)
+            ws, gs = self._blocks(fqn, p.detach()), self._blocks(fqn, p.grad)
+            for i, (w, g) in enumerate(zip(ws, gs, strict=True)):
+                self.spec.step_fn(w, g, self.states[fqn, i], lr=LR, weight_decay=WD,
+                                  step=self.steps, initial_lr=LR, config=self.config)
+            p.copy_(self._merge(fqn, ws))
         self.tail.step()
         self.model.zero_grad()
+
+    def _blocks(self, fqn: str, t: torch.Tensor) -> list[torch.Tensor]:
+        """The matrices ``t`` steps as, fresh tensors: itself, or torchtitan's wq/wk/wv."""
+        module = self.fused.get(fqn)
+        if module is None:
+            return [t.detach().clone()]
+        sd = {"wqkv.weight": t.detach().clone()}
+        FusedQKVLinear._split_qkv_on_save(module, sd, "", None)
+        return [sd[f"{name}.weight"].clone() for name in ("wq", "wk", "wv")]
+
+    def _merge(self, fqn: str, blocks: list[torch.Tensor]) -> torch.Tensor:
+        module = self.fused.get(fqn)
+        if module is None:
+            return blocks[0]
+        sd = {f"{name}.weight": b for name, b in zip(("wq", "wk", "wv"), blocks, strict=True)}
+        FusedQKVLinear._merge_qkv_on_load(module, sd, "")
+        return sd["wqkv.weight"]

@@ -48,7 +48,7 @@ from torchtitan.distributed.compile import apply_compile
 from torchtitan.distributed.fsdp import disable_fsdp_gradient_division
 
 from ..api import fully_shard_matrix
-from ..optim import MatrixOptimizer
+from ..optim import MatrixOptimizer, fused_qkv_split
 
 __all__ = [
     "MatrixOptimizersContainer",
@@ -158,7 +158,8 @@ class MatrixOptimizersContainer(OptimizersContainer):
     Build it from ``MatrixOptimizersContainer.Config(...)`` as ``Trainer.Config.optimizer``.
     ``name``/``lr``/``weight_decay``/``kwargs`` configure the matrix optimizer (``"muon"``,
     ``"shampoo"``, ... with its keywords), ``tail_*`` the optimizer of every other parameter,
-    ``split`` is ``MatrixOptimizer``'s. ``implementation`` (``"fused"``/``"foreach"``) goes to
+    ``split`` is ``MatrixOptimizer``'s, ``qkv_split`` steps each fused ``wqkv`` as q / k / v or per
+    head. ``implementation`` (``"fused"``/``"foreach"``) goes to
     the tail optimizer, as torchtitan's container passes it. See [Note: torchtitan integration].
     """
 
@@ -177,6 +178,10 @@ class MatrixOptimizersContainer(OptimizersContainer):
             default_factory=lambda: {"betas": (0.9, 0.95), "eps": 1e-8})
         split: dict[str, Any] | None = None
         """``MatrixOptimizer(split=...)``: FQN patterns to row blocks stepped separately."""
+        qkv_split: str = "none"
+        """Step each fused ``wqkv`` as its q, k and v (``"qkv"``: the matrices torchtitan's
+        state dict writes as ``wq``/``wk``/``wv``) or per head (``"head"``); ``"none"``: one
+        matrix, as ``torch.optim.Muon`` would. Adds to ``split`` (``fused_qkv_split``)."""
 
     def __init__(self, config: Config, *, model_parts: list[nn.Module]) -> None:
         if config.param_groups:
@@ -205,10 +210,16 @@ def _matrix_optimizer(config: MatrixOptimizersContainer.Config, part: nn.Module
     elif config.implementation != "for-loop":
         raise ValueError(f"MatrixOptimizersContainer: implementation {config.implementation!r} "
                          "is not supported; use 'fused', 'foreach' or 'for-loop'")
+    split = dict(config.split or {})
+    if config.qkv_split != "none":
+        if config.qkv_split not in ("qkv", "head"):
+            raise ValueError("MatrixOptimizersContainer: qkv_split must be 'none', 'qkv' or "
+                             f"'head', got {config.qkv_split!r}")
+        split.update(fused_qkv_split(part, per=config.qkv_split))
     optim = MatrixOptimizer(part, config.name, lr=config.lr, weight_decay=config.weight_decay,
                             tail_optimizer=config.tail_name, tail_lr=config.tail_lr,
                             tail_weight_decay=config.tail_weight_decay,
-                            tail_optimizer_kwargs=tail_kwargs, split=config.split,
+                            tail_optimizer_kwargs=tail_kwargs, split=split or None,
                             **config.kwargs)
     name_param_groups(optim, part)
     return optim
