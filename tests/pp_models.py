@@ -165,7 +165,8 @@ class Pipeline(NamedTuple):
 
 
 def build_pipeline(full: nn.Module, meshes: PPMeshes, schedule: str, micro: int, *,
-                   wrap: str = "matrix", parts=default_parts, **wrap_kwargs) -> Pipeline:
+                   wrap: str = "matrix", parts=default_parts, prepare=None,
+                   **wrap_kwargs) -> Pipeline:
     """Cut ``full`` into this rank's stages, wrap each over the dp mesh, build ``schedule``.
 
     ``wrap``: ``"matrix"`` (``fully_shard_matrix``) or ``"fsdp2"`` (``fully_shard`` per layer,
@@ -176,6 +177,8 @@ def build_pipeline(full: nn.Module, meshes: PPMeshes, schedule: str, micro: int,
     for s in ids:
         layers, embed, head = parts(n_stages, s)
         module = split_stage(full, layers, embed=embed, head=head)
+        if prepare is not None:  # e.g. tensor parallelism before wrapping
+            prepare(module)
         if wrap == "matrix":
             mf.fully_shard_matrix(module, meshes.dp_mesh, **wrap_kwargs)
         else:

@@ -14,6 +14,9 @@ the fixed set); ``MATRIXFSDP_DIFF_HSDP_TP_SEEDS=100`` adds HSDP x tensor-paralle
 (``HSDP_TP_SEED_BASE`` + 0..99, world 4 as 1x2x2 or 2x1x2; ``HSDP_TP_CI_SEEDS`` are fixed);
 ``MATRIXFSDP_DIFF_EP_SEEDS=100`` adds expert-parallel seeds (``EP_SEED_BASE`` + 0..99, world 4
 as replicate x efsdp x ep in ``EP_LAYOUTS``; ``EP_CI_SEEDS`` are fixed);
+``MATRIXFSDP_DIFF_PP_SEEDS=100`` adds pipeline-parallel seeds (``PP_SEED_BASE`` + 0..99, world 4
+as pp 2 x dp 2; ``PP_CI_SEEDS`` are fixed; see [Note: differential pipeline configurations] in
+``tests/diff_pp.py``);
 ``MATRIXFSDP_DIFF_SEED=17`` (or ``=17,40``) runs only those. A failure names every failing
 seed, its config, what differed and a one-line reproduction. ``python -m tests.test_differential 17`` prints a seed's config.
 ``MATRIXFSDP_DIFF_TAIL_ONLY=1`` selects no matrix but the rank-dependent branch and a singly
@@ -82,6 +85,13 @@ from .diff_models import (
     root_matrix_filter,
     selected_seeds,
     tp_feature_universe,
+)
+from .diff_pp import (
+    PP_CI_SEEDS,
+    draw_pp_config,
+    pp_feature_universe,
+    pp_selected_seeds,
+    run_pp_configs,
 )
 from .dist_utils import run_world
 from .test_optim_dist import LR, ReferenceStepper, _make_opt
@@ -659,6 +669,26 @@ def test_differential(world: int, tmp_path: Path) -> None:
     records, crash = run_seeds(world, seeds, tmp_path / "results.jsonl")
     if crash or any(records.get(s) or s not in records for s in seeds):
         raise AssertionError(_report(world, seeds, records, crash))
+
+
+def test_pp_ci_seeds_cover_every_pattern() -> None:
+    covered = set().union(*(draw_pp_config(s).features() for s in PP_CI_SEEDS))
+    assert pp_feature_universe() <= covered, sorted(pp_feature_universe() - covered)
+
+
+def test_differential_pp() -> None:
+    """Pipeline-parallel seeds at world 4 (see ``tests/diff_pp.py``)."""
+    seeds = pp_selected_seeds()
+    if not seeds:
+        pytest.skip("no selected pipeline seed")
+    failed = []
+    for start in range(0, len(seeds), SEEDS_PER_WORLD):
+        batch = seeds[start:start + SEEDS_PER_WORLD]
+        try:
+            run_world(4, run_pp_configs, batch, timeout=120 + 60 * len(batch))
+        except AssertionError as exc:
+            failed.append(str(exc))
+    assert not failed, "\n".join(failed)
 
 
 if __name__ == "__main__":
