@@ -284,5 +284,38 @@ def _dense_mesh_forms(rank: int, world: int) -> None:
         assert_close_dicts(full_values(model, "grad"), reference_values(ref, "grad"), 1e-6, form)
 
 
+def _divide_factor(rank: int, world: int) -> None:
+    """torchtitan's ``set_gradient_divide_factor(1.0)`` on every FSDPModule of an EP model: dense
+    and expert gradients alike are sums over the whole data-parallel world (an expert's sum over
+    its efsdp group already holds every ep peer's tokens); another factor divides that sum."""
+    from torch.distributed.fsdp import FSDPModule
+
+    ref, model = ep_pair("efsdp2_ep2")
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    assert units, "the wrapped EP model is an FSDPModule"
+    tokens = global_batch(0)
+    _reference_backward(ref, tokens, world)
+    reference = reference_values(ref, "grad")
+    expert_groups = {g.name for g in mf.get_state(model).groups
+                     if any(mp.fqn in EXPERT_FQNS for mp in g.params)}
+    assert expert_groups, "the expert stacks sit in matrix groups"
+    for factor in (1.0, 3.0):
+        for m in units:
+            m.set_gradient_divide_factor(factor)
+            m.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+        factors = {g.name: g.gradient_divide_factor for g in mf.get_state(model).groups}
+        assert set(factors.values()) == {factor}, factors
+        for p in model.parameters():
+            p.grad = None
+        lm_loss(model, local_batch(tokens, rank, world)).backward()
+        want = {k: None if v is None else v * world / factor for k, v in reference.items()}
+        assert_close_dicts(full_values(model, "grad"), want, 1e-6, f"factor {factor}")
+
+
+def _mesh_forms_and_divide_factor(rank: int, world: int) -> None:
+    run_subtests(rank, {"dense mesh forms": functools.partial(_dense_mesh_forms, rank, world),
+                        "divide factor": functools.partial(_divide_factor, rank, world)})
+
+
 def test_ep_dense_mesh_forms() -> None:
-    run_world(4, _dense_mesh_forms)
+    run_world(4, _mesh_forms_and_divide_factor)
