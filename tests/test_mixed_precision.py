@@ -124,12 +124,54 @@ def _relative_errors(got: dict, want: dict) -> dict[str, float]:
     return {f: ((got[f].double() - w).norm() / w.norm()).item() for f, w in want.items()}
 
 
-def _accumulation_in_reduce_dtype(rank: int, world: int) -> None:
+def _accumulation_pair(layout: str):
+    """A reference and its wrapped bf16 copy: flat data parallel, HSDP 2 x 2, or EP (efsdp 2 x
+    ep 2, expert stacks Shard(0) over ep)."""
+    if layout == "ep":
+        from .test_ep import ep_pair
+
+        return ep_pair("efsdp2_ep2", mp_policy=BF16)
+    ref, model = _pair()
+    mesh = None
+    if layout == "hsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    mf.fully_shard_matrix(model, mesh, mp_policy=BF16)
+    return ref, model
+
+
+def _accumulated(parts: list[dict], dtype: torch.dtype) -> dict:
+    """The sum of ``parts`` (one gradient dict per micro-batch) accumulated in ``dtype``."""
+    total: dict = {}
+    for part in parts:
+        for fqn, g in part.items():
+            if g is not None:
+                total[fqn] = g.to(dtype) + total[fqn] if fqn in total else g.to(dtype)
+    return {fqn: g.double() for fqn, g in total.items()}
+
+
+def _synced_every_micro(layout: str, rank: int, world: int) -> list[dict]:
+    """The same wrapped model reducing every micro-batch: each one's averaged gradient (fp32)."""
+    _, model = _accumulation_pair(layout)
+    parts = []
+    for m in range(MICRO):
+        (lm_loss(model, local_batch(global_batch(m), rank, world)) / MICRO).backward()
+        parts.append(full_values(model, "grad"))
+        model.zero_grad(set_to_none=True)
+    return parts
+
+
+def _accumulation_in_reduce_dtype(rank: int, world: int, layout: str) -> None:
     """32 micro-batches with gradient sync off, bf16 compute, fp32 reduce_dtype: the matrices'
     gradients accumulate in fp32 as FSDP2's do (see [Note: accumulation in reduce_dtype]), so
-    they match a float64-accumulated reference as closely as the FSDP2 tail's gradients do."""
-    ref, model = _pair()
-    mf.fully_shard_matrix(model, mp_policy=BF16)
+    they match a float64-accumulated reference as closely as the FSDP2 tail's gradients do.
+
+    Under EP an expert's bf16 gradient comes from every ep peer's tokens in one product, which a
+    process replaying rank by rank rounds differently (9e-4 here, whatever the accumulation): its
+    reference is the same model reducing every micro-batch, the fp32 results summed in float64.
+    """
+    ref, model = _accumulation_pair(layout)
     state = mf.get_state(model)
     for m in range(MICRO):
         mf.set_requires_gradient_sync(model, m == MICRO - 1)
@@ -137,16 +179,21 @@ def _accumulation_in_reduce_dtype(rank: int, world: int) -> None:
         if m == 0:  # the no-sync backward moves each bf16 gradient into an fp32 accumulator
             held = [(mp.unsharded.grad, getattr(mp, "accumulated_grad", None))
                     for mp in state.params.values()]
+    assert all(leaf is None for leaf, _ in held)
+    assert {acc.dtype for _, acc in held if acc is not None} == {torch.float32}
     got = full_values(model, "grad")
-    want = _accumulated_reference(ref, world, torch.float64)
+    if layout == "ep":
+        parts = _synced_every_micro(layout, rank, world)
+        want, in_bf16 = _accumulated(parts, torch.float64), _accumulated(parts, torch.bfloat16)
+    else:
+        want = _accumulated_reference(ref, world, torch.float64)
+        in_bf16 = _accumulated_reference(ref, world, torch.bfloat16)
     errors = _relative_errors(got, want)
     matrix = max(e for f, e in errors.items() if f in state.params)
     tail = max(e for f, e in errors.items() if f not in state.params)
     assert matrix <= max(2 * tail, 1e-6), f"matrices err by {matrix:.2e}, the FSDP2 tail {tail:.2e}"
-    assert all(leaf is None for leaf, _ in held)
-    assert {acc.dtype for _, acc in held if acc is not None} == {torch.float32}
     # The check can tell: gradients accumulated in bf16 (the leaf's dtype) err by far more.
-    bf16 = _relative_errors(_accumulated_reference(ref, world, torch.bfloat16), want)
+    bf16 = _relative_errors(in_bf16, want)
     assert min(bf16[f] for f in state.params if f in bf16) > 100 * max(matrix, tail), bf16
 
 
@@ -157,10 +204,10 @@ def _world(rank: int, world: int) -> None:
     })
 
 
-def _accumulation_world(rank: int, world: int) -> None:
+def _accumulation_world(rank: int, world: int, layouts: tuple[str, ...]) -> None:
     torch.set_num_threads(1)
-    run_subtests(rank, {"accumulation in reduce_dtype": functools.partial(
-        _accumulation_in_reduce_dtype, rank, world)})
+    run_subtests(rank, {f"accumulation in reduce_dtype, {layout}": functools.partial(
+        _accumulation_in_reduce_dtype, rank, world, layout) for layout in layouts})
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -168,5 +215,6 @@ def test_mixed_precision(world: int) -> None:
     run_world(world, _world)
 
 
-def test_accumulation_in_reduce_dtype() -> None:
-    run_world(2, _accumulation_world)
+@pytest.mark.parametrize(("world", "layouts"), [(2, ("flat",)), (4, ("hsdp", "ep"))])
+def test_accumulation_in_reduce_dtype(world: int, layouts: tuple[str, ...]) -> None:
+    run_world(world, _accumulation_world, layouts)
