@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import weakref
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +35,7 @@ from ..collectives import Phase, comm_phase
 from ..nonfinite import discard_global_norm, take_global_norm
 from ..runtime.optim_state_view import install_optimizer_state_view
 from .agreement import StepFailures, agree_on_step, finite_flags, probe_torch_class
+from .flat_state import MatrixState, owner_state_names
 from .layouts import (
     MatrixLayout,
     SplitSpec,
@@ -227,11 +229,27 @@ class MatrixOptimizer(torch.optim.Optimizer):
         self.last_step_skipped = False
         self.tp_step_bytes = 0  # bytes this rank sent in tp groups in the last step (TP matrices)
         self._runtime = runtime
+        self._wrap_state()
         self._link_inner()
         self.register_load_state_dict_pre_hook(refuse_other_split, prepend=True)
         # state_dict()/load_state_dict() show every matrix's state on every rank, as matrix
         # DTensors, and a load keeps the state's dtypes (see [Note: optimizer state-dict view]).
         install_optimizer_state_view(self, keep_dtypes=True)
+
+    def _wrap_state(self) -> None:
+        """``state`` as a ``MatrixState`` (see [Note: flat optimizer state])."""
+        ref = weakref.ref(self)
+
+        def names_of(param: Any) -> list[str] | None:
+            optimizer = ref()
+            return None if optimizer is None else owner_state_names(optimizer, param)
+
+        self.state = MatrixState(self.state, names_of)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        if "_fqn_of" in self.__dict__ and not isinstance(self.state, MatrixState):
+            self._wrap_state()  # torch's load_state_dict installs a plain defaultdict
 
     def _link_inner(self) -> None:
         """Point the inner optimizers at this optimizer's state and group dicts (one truth)."""

@@ -183,6 +183,7 @@ class _OptimizerView:
         index, matrices = _matrices(optimizer, state_dict["param_groups"])
         state = dict(state_dict["state"])
         owners = _step_owners(optimizer, matrices)
+        _agree_on_names(index, matrices, state)
         for position, (key, _) in enumerate(index):  # the same order on every rank
             if position not in matrices or not isinstance(state.get(key), Mapping):
                 continue
@@ -272,8 +273,9 @@ def _rebuild(view: StateDictView, mp: MatrixParam, name: str, item: Mapping[str,
 def _owner_entry(view: StateDictView, mp: MatrixParam, entry: Mapping[str, Any]
                  ) -> dict[str, Any] | None:
     """The owner's entry from any incoming one (collective for its DTensors); None elsewhere."""
-    out: dict[str, Any] = {}
-    for name, value in entry.items():
+    out: dict[str, Any] = dict.fromkeys(entry)  # the entry's order, gathers in name order
+    for name in sorted(entry, key=str):
+        value = entry[name]
         if isinstance(value, DTensor):
             value = (gather_experts_to_owner(view.state, mp, value) if mp.ep is not None
                      else gather_to_owner(view.state, mp.owner_rank, value))
@@ -282,6 +284,37 @@ def _owner_entry(view: StateDictView, mp: MatrixParam, entry: Mapping[str, Any]
             value = mp.ep.slice_of(value.detach(), mp.ep.ep_rank).contiguous()
         out[name] = value
     return out if mp.is_owner else None
+
+
+def _agree_on_names(index: list[tuple[Any, torch.Tensor]], matrices: _Matrices,
+                    state: Mapping[Any, Any]) -> None:
+    """Raise the same ``ValueError`` on every rank, before any gather, where the ranks of a
+    shard group hold matrix DTensors under different names for one matrix (each would enter
+    other gathers: a hang). One exchange of JSON per model."""
+    for view, positions in _by_view(matrices):
+        mine = {}
+        for position in positions:
+            entry = state.get(index[position][0])
+            if isinstance(entry, Mapping):
+                mine[str(position)] = sorted(str(name) for name, value in entry.items()
+                                             if isinstance(value, DTensor))
+        everyone = exchange_json(view.state, mine)
+        for position in positions:
+            seen = [payload.get(str(position), []) for payload in everyone]
+            if all(names == seen[0] for names in seen):
+                continue
+            mp = matrices[position][2]
+            by_rank = {rank: names for rank, names in enumerate(seen)}
+            raise ValueError(
+                f"optimizer state of matrix {mp.fqn!r} (shape {tuple(mp.shape)}, owner rank "
+                f"{mp.owner_rank} of its shard group) arrives with other DTensor entries on each "
+                f"rank of the shard group: {by_rank}. Every rank must load the same state dict. "
+                "torch's flatten_optimizer_state_dict=True rebuilds entries from each rank's own "
+                "optimizer.state, which holds nothing for a matrix the rank does not own: load "
+                "with the default (nested) optimizer state dict, or step the matrices with a "
+                "registered optimizer name (MatrixOptimizer(model, 'muon'), see [Note: flat "
+                "optimizer state])"
+            )
 
 
 def _kept_dtypes(state: Mapping[Any, Any], index: list[tuple[Any, torch.Tensor]]
