@@ -49,6 +49,7 @@ from torchtitan.distributed.fsdp import disable_fsdp_gradient_division
 
 from ..api import fully_shard_matrix
 from ..optim import MatrixOptimizer, fused_qkv_split
+from .flat_optim_state import unflatten
 
 __all__ = [
     "MatrixOptimizersContainer",
@@ -196,10 +197,12 @@ class MatrixOptimizersContainer(OptimizersContainer):
         self._post_init(params)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load torchtitan's flat state dict (``state_dict()``'s keys); collective."""
+        """Load torchtitan's flat state dict (``state_dict()``'s keys); collective. A dict saved
+        with another split, optimizer or parameters raises ``ValueError`` on every rank (see
+        [Note: flat optimizer state of the torchtitan container])."""
         for optim in self.optimizers:
             init_optim_state(optim)
-            optim.load_state_dict(_unflatten(optim, state_dict))
+            optim.load_state_dict(unflatten(optim, state_dict))
 
 
 def _matrix_optimizer(config: MatrixOptimizersContainer.Config, part: nn.Module
@@ -237,30 +240,3 @@ def name_param_groups(optim: Optimizer, model: nn.Module) -> None:
                 f"(shapes {missing[:4]}) that are not parameters of the model part; build the "
                 "optimizer over this model part's parameters")
         group["param_names"] = [names[id(p)] for p in group["params"]]
-
-
-def _unflatten(optim: Optimizer, flat: dict[str, Any]) -> dict[str, Any]:
-    """torchtitan's flat, FQN-keyed optimizer state -> ``optim``'s own state dict, with the
-    entries of ``optim.state_dict()`` (every matrix on every rank); collective."""
-    template = optim.state_dict()
-    fqn_of = {pid: fqn for group in template["param_groups"]
-              for pid, fqn in zip(group["params"], group["param_names"], strict=True)}
-    state = {pid: {name: _lookup(flat, f"state.{fqn_of[pid]}.{name}") for name in entry}
-             for pid, entry in template["state"].items()}
-    groups = []
-    for group in template["param_groups"]:
-        names = group["param_names"]
-        loaded = dict(group)
-        if names:
-            for key in group:
-                if key not in ("params", "param_names"):
-                    loaded[key] = _lookup(flat, f"param_groups.{names[0]}.{key}")
-        groups.append(loaded)
-    return {"state": state, "param_groups": groups}
-
-
-def _lookup(flat: dict[str, Any], key: str) -> Any:
-    if key not in flat:
-        raise KeyError(f"the optimizer's checkpoint has no {key!r} (it has {len(flat)} keys); "
-                       "was it saved with the same matrix optimizer and parameters?")
-    return flat[key]
