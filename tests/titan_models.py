@@ -15,6 +15,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 import torchtitan.distributed.parallel_dims as parallel_dims_module
+import torchtitan.distributed.utils as titan_dist_utils
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torchtitan.config import ParallelismConfig
@@ -96,9 +97,12 @@ def cpu_parallel_dims(world: int, *, dp_replicate: int = 1, dp_shard: int = -1, 
     """torchtitan's ParallelismConfig and built ParallelDims (``partial_dtensor``) on CPU ranks.
 
     torchtitan builds its meshes on ``torchtitan.tools.utils.device_type``, which falls back to
-    ``"cuda"`` without an accelerator; a CPU rank points it at ``"cpu"`` (gloo).
+    ``"cuda"`` without an accelerator; a CPU rank points it at ``"cpu"`` (gloo). The SPMD
+    backend is set process-wide, as torchtitan's trainer does before building the model (the
+    MoE token dispatcher reads it).
     """
     parallel_dims_module.device_type = "cpu"
+    titan_dist_utils.set_spmd_backend("partial_dtensor")
     config = ParallelismConfig(data_parallel_replicate_degree=dp_replicate,
                                data_parallel_shard_degree=dp_shard, tensor_parallel_degree=tp,
                                expert_parallel_degree=ep, spmd_backend="partial_dtensor")
