@@ -14,6 +14,11 @@ Part 2 (speed): the whole owner step (``batch_owned`` + ``step_owned``, bf16 New
 before the cap), batched with the default cap, and unbatched, taking turns step by step; median
 of ``--repeats`` after two warm-up steps, one thread.
 
+Part 3 (speed): one owner step of one large matrix (``--large``), fp32 and bf16 Newton–Schulz,
+iterating in place a block of columns at a time (the default) against a new iterate each
+iteration (the step before), taking turns step by step; median of ``--repeats`` of the
+thread's CPU time.
+
 See [Note: owner step transients] in ``matrixfsdp.optim.owner_step`` and BENCHMARKS §20.
 """
 
@@ -33,7 +38,7 @@ import torch
 
 from matrixfsdp.memory import LiveBytesTracker
 from matrixfsdp.optim import matrix_optimizer
-from matrixfsdp.optim.functional import MuonConfig
+from matrixfsdp.optim.functional import MuonConfig, muon
 from matrixfsdp.optim.layouts import MatrixLayout
 from matrixfsdp.optim.owner_step import (
     OwnedMatrix,
@@ -45,7 +50,8 @@ from matrixfsdp.optim.owner_step import (
 )
 from matrixfsdp.optim.registry import get_matrix_optimizer
 
-__all__ = ["main", "owner_step_transient", "owner_step_transients", "time_owner_steps"]
+__all__ = ["main", "owner_step_transient", "owner_step_transients", "time_in_place",
+           "time_owner_steps", "whole_iterates"]
 
 logger = logging.getLogger(__name__)
 _UNCAPPED = StepBatching(True, max_bytes=1 << 62)
@@ -117,6 +123,36 @@ def time_owner_steps(shape: tuple[int, ...], count: int, policies: dict[str, Ste
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+@contextlib.contextmanager
+def whole_iterates() -> Iterator[None]:
+    """While active, Newton–Schulz makes a new iterate each iteration (the step before the
+    in-place iterate; see ``matrixfsdp.optim.functional.muon._ns_columns``)."""
+    original = muon._ns_columns
+    muon._ns_columns = lambda X: None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        muon._ns_columns = original  # type: ignore[assignment]
+
+
+def time_in_place(shape: tuple[int, ...], ns_dtype: str, repeats: int,
+                  warmup: int = 2) -> dict[str, float]:
+    """Median CPU seconds (this thread's: steadier than wall time on a shared machine) of one
+    owner step of one ``shape`` matrix, in place and with whole iterates, taking turns."""
+    config = MuonConfig(ns_dtype=ns_dtype)
+    items = {name: _items(shape, 1) for name in ("in_place", "whole")}
+    times: dict[str, list[float]] = {name: [] for name in items}
+    for index in range(warmup + repeats):
+        for name in items:
+            with whole_iterates() if name == "whole" else contextlib.nullcontext():
+                start = time.thread_time()
+                _step(items[name], StepBatching(False), config)
+                seconds = time.thread_time() - start
+            if index >= warmup:
+                times[name].append(seconds)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def row_layout_transient(count: int = 4, head_dim: int = 64, kv_groups: int = 2,
                          q_per_kv: int = 4, dim: int = 512) -> dict[str, int]:
     """``count`` torchtitan-style fused ``wqkv`` matrices (rows interleaved per KV group: the
@@ -161,9 +197,11 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--shapes", nargs="*", default=["768x1536", "1536x768", "1024x1024"],
                    help="part 1 shapes (none: skip part 1)")
     p.add_argument("--batch", type=int, default=4, help="same-shape matrices in part 1")
-    p.add_argument("--small", nargs="+", default=["64x64:48", "128x512:24", "256x256:24",
+    p.add_argument("--small", nargs="*", default=["64x64:48", "128x512:24", "256x256:24",
                                                   "512x512:8"],
                    help="SHAPE:COUNT same-shape matrices per part 2 case")
+    p.add_argument("--large", nargs="*", default=["512x2048", "2048x512", "768x1536"],
+                   help="part 3 shapes (none: skip part 3)")
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--json", action="store_true")
     return p.parse_args(argv)
@@ -194,7 +232,15 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
         speed.append(row)
         logger.info("%s", row)
     rows = row_layout_transient() if args.shapes else None
-    return {"memory": memory, "speed": speed, "rows": rows, "args": vars(args),
+    in_place = []
+    for text in args.large:
+        for dtype in ("float32", "bfloat16"):
+            row = {"shape": text, "ns_dtype": dtype,
+                   **time_in_place(_shape(text), dtype, args.repeats)}
+            in_place.append(row)
+            logger.info("%s", row)
+    return {"memory": memory, "speed": speed, "rows": rows, "in_place": in_place,
+            "args": vars(args),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
 
 
@@ -222,6 +268,11 @@ def render(results: dict[str, Any]) -> str:
         lines.append(f"| {r['shape']} × {r['count']} | {r['batches']} | "
                      f"{1e3 * r['uncapped']:.2f} | {1e3 * r['capped']:.2f} | "
                      f"{r['capped'] / r['uncapped']:.3f} | {1e3 * r['unbatched']:.2f} |")
+    lines += ["", "| large shape | NS dtype | in place ms | whole iterates ms | in place ÷ whole |",
+              "|---|---|---|---|---|"]
+    for r in results.get("in_place", []):
+        lines.append(f"| {r['shape']} | {r['ns_dtype']} | {1e3 * r['in_place']:.1f} | "
+                     f"{1e3 * r['whole']:.1f} | {r['in_place'] / r['whole']:.3f} |")
     return "\n".join(lines)
 
 

@@ -12,11 +12,17 @@ What an owner's step allocates beyond its parameters, gradients and state, and h
 - One matrix, Muon: the Newton–Schulz input ``X`` in ``ns_dtype`` (in bf16 built from the fp32
   gradient and momentum a chunk of rows at a time: the larger of 1 MiB and a sixteenth of the
   matrix, at least 64 rows; so no fp32 copy of the direction exists),
-  normalised in place; per iteration the Gram ``A`` (freed before the new ``X`` exists),
-  ``B = bA + cA²`` and the new ``X``; the update is added to the parameter in place, casting as
-  it reads. Peak: ``2|X| + min(m, n)²`` elements of ``ns_dtype``. Against the fp32 matrix: bf16
-  1.25× for a 1:2 matrix, 1.5× for a square one (were 2.5× and 3×: the fp32 direction, its bf16
-  copy, the normalised copy and the Gram were alive at once); fp32 2.5× and 3× (were 4× and 5×).
+  normalised in place (in fp32 the Nesterov direction itself); per iteration the Gram ``A`` and
+  ``B = bA + cA²``, ``A`` freed, then ``X <- aX + BX`` in place a block of columns at a time
+  (block ``j`` of ``BX`` reads only block ``j`` of ``X``; a block holds ``B``'s bytes, at least
+  1 MiB and 256 columns); the update is added to the parameter in place, casting as it reads.
+  Peak: ``|X| + max(2k², k² + k c)`` elements of ``ns_dtype`` (``k = min(m, n)``, ``c`` the
+  block's columns). Matrices that do not split into two blocks (squarer than 1:2, or small), and
+  the first iterate of a tall bf16 matrix (a column-major bf16 ``X`` in place would round
+  differently from ``torch.optim.Muon``), take a new iterate: ``2|X| + k²``. Against the fp32
+  matrix: fp32 1.5× a 1:4 matrix, 2× a 1:2 one, 3× a square one (were 2.25×, 2.5×, 3×; 3.5×,
+  4×, 5× before the input was built in place); bf16 0.88× (1:4), 1× (1:2, wide), 1.25× (1:2,
+  tall), 1.5× (square).
 - A batch (``batch_same_shape``): ``step_owned`` stacks each item's parameter, gradient and
   state into ``(B, *shape)`` copies, then runs the step's own transients on the batch. Batches
   are cut by those stacked bytes (``StepBatching.max_bytes``; default the larger of the largest

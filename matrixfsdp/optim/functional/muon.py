@@ -10,7 +10,9 @@ Per matrix (``step`` t, gradient G, momentum mu, Newton–Schulz map NS)::
 with ``s = sqrt(max(1, m/n))`` ("original", default) or ``0.2 sqrt(max(m, n))``
 ("match_rms_adamw"). For a 2-D parameter this replays ``torch.optim.Muon``'s
 operation sequence, so in bf16 the result is bitwise identical. Batched
-``(*, m, n)`` input runs the same iteration with ``baddbmm`` per slice.
+``(*, m, n)`` input runs the same iteration with ``baddbmm`` per slice. Each iterate is
+computed in place a block of columns at a time where the matrix splits into two blocks or more
+(``_ns_columns``; [Note: owner step transients] in ``matrixfsdp.optim.owner_step``).
 One intentional difference: torch normalises the Newton–Schulz input in place,
 which for a bf16 parameter with ``nesterov=False`` also rescales the momentum
 buffer (``buf.bfloat16()`` is ``buf`` itself); here the buffer is never
@@ -33,8 +35,11 @@ __all__ = [
     "zeropower_via_newton_schulz",
 ]
 
-# Bytes of gradient rows per chunk when the Newton–Schulz input is built in another dtype.
+# Bytes of gradient rows per chunk when the Newton–Schulz input is built in another dtype, and
+# the least bytes of a column block of the in-place Newton–Schulz iterate.
 _CHUNK_BYTES = 1 << 20
+# The least columns of a block of the in-place iterate.
+_MIN_COLUMNS = 256
 
 
 def zeropower_via_newton_schulz(
@@ -60,11 +65,20 @@ def _newton_schulz_(
     """:func:`zeropower_via_newton_schulz` of a fresh ``X`` that it may overwrite.
 
     Transients (see [Note: owner step transients]): ``X`` is normalised in place, and each
-    iteration frees the Gram ``A`` before the new ``X`` exists, so at most ``X``, ``B`` and the
-    new ``X`` are alive at once: ``2 |X| + min(m, n)^2`` elements of ``dtype``. The operations
-    and their operands' layouts are those of ``torch.optim.Muon``, so the result is the same.
+    iteration frees the Gram ``A`` before ``B X`` is formed. ``X <- a X + B X`` is then computed
+    in place a block of columns at a time (:func:`_ns_columns`; column block ``j`` of ``B X``
+    reads only column block ``j`` of ``X``), so ``X``, ``A`` and ``B`` (while ``B`` is formed),
+    or ``X``, ``B`` and one block are alive: ``|X| + max(2 k², k² + k c)`` elements of
+    ``dtype`` (``k = min(m, n)``, ``c`` the block's columns), against ``2 |X| + k²`` for a new
+    iterate. Matrices too small or too square to split (``c`` would not leave two blocks) take
+    the new iterate, as before. The operations and operands are those of ``torch.optim.Muon``
+    (the same ``addmm``, on column blocks); on the CPUs measured (BENCHMARKS §20) the blocked
+    product is bit for bit the whole one.
     """
     a, b, c = coefficients
+    shape = X.shape
+    if X.dim() > 3:
+        X = X.flatten(0, -3)  # a view: X is fresh, its leading dims contiguous
     tall = X.size(-2) > X.size(-1)
     if tall:
         X = X.mT
@@ -72,13 +86,52 @@ def _newton_schulz_(
         X.div_(X.norm().clamp(min=eps))
     else:
         X.div_(torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True).clamp(min=eps))
+    columns = _ns_columns(X)
     for _ in range(steps):
         gram = X @ X.mT
         update = batched_addmm(gram, gram, gram, beta=b, alpha=c)
         del gram
-        X = batched_addmm(X, update, X, beta=a, alpha=1.0)
+        if columns is None or not _same_bits_in_place(X):
+            X = batched_addmm(X, update, X, beta=a, alpha=1.0)
+        else:
+            _iterate_in_place(X, update, a, columns)
         del update
-    return X.mT if tall else X
+    return (X.mT if tall else X).reshape(shape)
+
+
+def _ns_columns(X: Tensor) -> int | None:
+    """Columns per block of the in-place iterate of ``X`` (*, k, n), ``k <= n``; ``None``: whole.
+
+    A block holds as many bytes as ``B`` (``k`` columns), at least ``_CHUNK_BYTES`` over the
+    batch and ``_MIN_COLUMNS`` columns (so each product stays a GEMM as efficient as the whole
+    one), rounded up to a multiple of 64. Whole when that leaves fewer than two blocks.
+    """
+    k, n = X.size(-2), X.size(-1)
+    per_column = X.numel() // n * X.element_size()
+    columns = max(k, _MIN_COLUMNS, -(-_CHUNK_BYTES // per_column))
+    columns = -(-columns // 64) * 64
+    return None if 2 * columns > n else columns
+
+
+def _same_bits_in_place(X: Tensor) -> bool:
+    """Whether ``X`` is iterated in place: fp32/fp64 always; bf16/fp16 only with contiguous rows.
+
+    A new iterate is row-major. In bf16, iterating a column-major ``X`` (the transpose of a tall
+    matrix) in place keeps it column-major, and CPU bf16 GEMMs round that layout differently
+    (measured, BENCHMARKS §20), which would lose ``torch.optim.Muon``'s bits; so a tall bf16
+    matrix makes its first iterate anew (peak ``2|X| + k²`` there) and iterates in place after.
+    """
+    return X.dtype in (torch.float32, torch.float64) or X.stride(-1) == 1
+
+
+def _iterate_in_place(X: Tensor, update: Tensor, a: float, columns: int) -> None:
+    """``X <- a X + update @ X`` in place, ``columns`` columns of ``X`` at a time."""
+    for start in range(0, X.size(-1), columns):
+        block = X.narrow(-1, start, min(columns, X.size(-1) - start))
+        if X.dim() == 2:
+            block.addmm_(update, block.clone(), beta=a)
+        else:
+            block.baddbmm_(update, block.clone(), beta=a)
 
 
 def _chunk_rows(t: Tensor, limit: int) -> int:
