@@ -212,14 +212,15 @@ def stored_split_problem(split: Any) -> str | None:
 
 # -- resolving the user's split ------------------------------------------------------------------
 def resolve_split(
-    split: SplitSpec | None, plan: Plan, fqns: Sequence[str]
+    split: SplitSpec | None, plan: Plan, fqns: Sequence[str], scope: str = "the model"
 ) -> dict[str, StoredBlocks]:
     """``fqn -> stored split`` for the matrices ``fqns`` that ``split`` cuts, validated.
 
     ``split`` maps an FQN or an ``fnmatch`` pattern (``"*.attn.c_attn.weight"``) to a number of
     equal blocks, the block sizes along the canonical output dim, a ``RowLayout`` or a list of
     blocks' row index lists, or is a callable ``(fqn, canonical_shape) -> any of those | None``.
-    Patterns that match no matrix are errors.
+    Patterns that match none of ``fqns`` are errors; ``scope`` names those matrices in them
+    (``"the model"``, or a param group).
     """
     if split is None:
         return {}
@@ -231,7 +232,7 @@ def resolve_split(
             if sizes is not None:
                 chosen[fqn] = sizes
     elif isinstance(split, Mapping):
-        chosen = _match_patterns(split, plan, shapes)
+        chosen = _match_patterns(split, plan, shapes, scope)
     else:
         raise ValueError(
             f"MatrixOptimizer.split must be a mapping {{fqn_or_pattern: sizes}} or a callable "
@@ -246,7 +247,8 @@ def resolve_split(
 
 
 def _match_patterns(
-    split: Mapping[str, SplitSizes], plan: Plan, shapes: Mapping[str, tuple[int, ...]]
+    split: Mapping[str, SplitSizes], plan: Plan, shapes: Mapping[str, tuple[int, ...]],
+    scope: str = "the model",
 ) -> dict[str, SplitSizes]:
     chosen: dict[str, SplitSizes] = {}
     by_pattern: dict[str, str] = {}
@@ -257,7 +259,7 @@ def _match_patterns(
             )
         hits = [pattern] if pattern in shapes else fnmatch.filter(shapes, pattern)
         if not hits:
-            raise ValueError(_no_match_message(pattern, plan, shapes))
+            raise ValueError(_no_match_message(pattern, plan, shapes, scope))
         for fqn in hits:
             if fqn in chosen and _normalize(chosen[fqn]) != _normalize(sizes):
                 raise ValueError(
@@ -280,7 +282,8 @@ def _short(value: object) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _no_match_message(pattern: str, plan: Plan, shapes: Mapping[str, tuple[int, ...]]) -> str:
+def _no_match_message(pattern: str, plan: Plan, shapes: Mapping[str, tuple[int, ...]],
+                      scope: str = "the model") -> str:
     tail = [p.fqn for p in plan.tail if fnmatch.fnmatchcase(p.fqn, pattern)]
     if tail:
         return (
@@ -290,7 +293,7 @@ def _no_match_message(pattern: str, plan: Plan, shapes: Mapping[str, tuple[int, 
         )
     examples = list(shapes)[:4]
     return (
-        f"MatrixOptimizer.split: {pattern!r} matches no matrix of the model; give a matrix FQN "
+        f"MatrixOptimizer.split: {pattern!r} matches no matrix of {scope}; give a matrix FQN "
         f"or an fnmatch pattern over them (matrices: {examples}"
         f"{' ...' if len(shapes) > 4 else ''})"
     )

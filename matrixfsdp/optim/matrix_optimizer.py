@@ -303,11 +303,35 @@ class MatrixOptimizer(torch.optim.Optimizer):
             if dataclasses.is_dataclass(config):
                 kwargs = dataclasses.asdict(config)
         lr = group.get("lr", base["lr"])
-        return {"params": group["params"], "kind": "matrix", "lr": lr,
-                "initial_lr": group.get("initial_lr", lr),
-                "weight_decay": group.get("weight_decay", base["weight_decay"]),
-                "optimizer": base["optimizer"], "matrix_kwargs": kwargs,
-                "split": group.get("split", base.get("split") or {})}
+        _check_rates(lr=lr, weight_decay=group.get("weight_decay", base["weight_decay"]))
+        out = {"params": group["params"], "kind": "matrix", "lr": lr,
+               "initial_lr": group.get("initial_lr", lr),
+               "weight_decay": group.get("weight_decay", base["weight_decay"]),
+               "optimizer": base["optimizer"], "matrix_kwargs": kwargs}
+        out["split"] = self._group_split(group, base)
+        if self._matrix_cls is not None:  # its keywords, checked as the constructor does
+            fqns = {self._fqn_of.get(id(p)) for p in group["params"]}
+            probe_torch_class(self._matrix_cls, out, self._runtime.plan.params, fqns)
+        return out
+
+    def _group_split(self, group: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+        """The new group's stored split: its ``split`` resolved as the constructor's (the same
+        forms and errors, over the group's matrices), else the first matrix group's entries for
+        them."""
+        fqn_of = {**self._fqn_of, **{id(mp.sharded): f for f, mp in self._runtime.params.items()}}
+        fqns = [fqn_of[id(p)] for p in group["params"]]
+        if "split" not in group:
+            return {f: v for f, v in (base.get("split") or {}).items() if f in fqns}
+        shapes = [tuple(self._runtime.plan[f].matrix_shape) for f in fqns]
+        try:
+            split = resolve_split(group["split"], self._runtime.plan, fqns,
+                                  scope=f"this param group ({len(fqns)} matrices)")
+        except ValueError as exc:
+            raise ValueError(f"MatrixOptimizer.add_param_group (matrices {fqns[:4]}, (out, in) "
+                             f"shapes {shapes[:4]}): {exc}") from None
+        if self._matrix_cls is not None:
+            _check_torch_class(self._matrix_cls, split, [])
+        return split
 
     def state_dict(self) -> dict[str, Any]:
         """torch's state dict with every matrix's state on every rank, as matrix DTensors
