@@ -44,6 +44,7 @@ from matrixfsdp.integrations.torchtitan import (
     parallelize_fn,
 )
 from matrixfsdp.integrations.torchtitan_configs import matrix_clip_grad_norm
+from matrixfsdp.runtime.init_rng import matrix_init_generator
 
 from .titan_models import (
     LR,
@@ -52,12 +53,20 @@ from .titan_models import (
     TAIL_LR,
     WD,
     batch,
+    cpu_attention,
     cpu_parallel_dims,
     shard,
     sharded_config,
     token_loss,
 )
-from .titan_moe import EXPERT_NAMES, MATRIX_NAMES, MoEReference, build_moe, tiny_moe_config
+from .titan_moe import (
+    EXPERT_NAMES,
+    MATRIX_NAMES,
+    MoEReference,
+    build_moe,
+    fp32_experts,
+    tiny_moe_config,
+)
 
 # Measured (largest relative error over all parameters after steps 1 / 2 / 3): ep 2:
 # 3.0e-6 / 5.5e-6 / 7.0e-6; efsdp 2 x ep 2: 3.5e-6 / 6.5e-6 / 8.6e-6; step-1 gradients
@@ -71,6 +80,7 @@ PARAM_RTOL = 1e-5
 DISPLACEMENT_RTOL = 1e-4  # |p - p_ref| / |p_ref - p_0|, the held-out check's measure
 FP32 = TrainingConfig(mixed_precision_param="float32")
 ROWS, VOCAB = 8, 256
+SEED = 7
 
 
 def _parallelize(model: nn.Module, parallelism, dims) -> nn.Module:
@@ -164,17 +174,18 @@ def _step_collectives(optimizers: MatrixOptimizersContainer) -> list[str]:
     return [e.name for e in prof.events() if e.name.startswith(("gloo:", "nccl:"))]
 
 
-def _buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+def _buffers(model: nn.Module, every: bool = False) -> dict[str, torch.Tensor]:
+    """The load-balancing biases (``every``: all buffers), whole."""
     out = {}
     for name, buf in model.named_buffers():
-        if name.endswith("expert_bias_E"):
+        if every or name.endswith("expert_bias_E"):
             local = buf.full_tensor() if hasattr(buf, "full_tensor") else buf
             out[canonical_fqn(name)] = local.detach().clone()
     return out
 
 
-def _train(world: int, steps: int = 3, fp32: bool = True) -> list[float]:
-    ref, model, dims = _pair(world, fp32)
+def _train(world: int, steps: int = 3, fp32: bool = True, pair=None) -> list[float]:
+    ref, model, dims = _pair(world, fp32) if pair is None else pair
     rank = dist.get_rank()
     reference = MoEReference(ref, {canonical_fqn(p.fqn) for p in mf.get_plan(model).matrices})
     optimizers = _container(model, dims)
@@ -210,6 +221,60 @@ def _train(world: int, steps: int = 3, fp32: bool = True) -> list[float]:
     return errors
 
 
+# -- meta-device init, as torchtitan's trainer does it ------------------------------------------
+def _expected_matrix(model: nn.Module, fqn: str, shape: tuple[int, ...], ep: int) -> torch.Tensor:
+    """The documented single-process rule ([Note: matrix init RNG]): the matrix's torchtitan
+    ``param_init`` drawn from ``matrix_init_generator``; an expert stack per ep rank's experts."""
+    module_name, name = fqn.rsplit(".", 1)
+    init = model.get_submodule(module_name)._param_init[name]
+    if not EXPERT_NAMES.fullmatch(fqn):
+        value = torch.empty(shape)
+        init(value, generator=matrix_init_generator(fqn, SEED))
+        return value
+    local = shape[0] // ep
+    chunks = []
+    for first in range(0, shape[0], local):
+        chunk = torch.empty(local, *shape[1:])
+        init(chunk, generator=matrix_init_generator(f"{fqn}[{first}:{first + local}]", SEED))
+        chunks.append(chunk)
+    return torch.cat(chunks)
+
+
+def _meta_init(world: int) -> None:
+    """Build on meta, ``parallelize_fn``, ``to_empty``, torchtitan's ``init_weights``: nothing
+    stays on meta, the buffers are torchtitan's, every matrix (the ep ranks' experts distinct)
+    follows the per-matrix stream rule bit for bit, and 3 steps from that init equal one process
+    started from the same values."""
+    parallelism, dims = cpu_parallel_dims(world, ep=2)
+    with torch.device("meta"):
+        model = sharded_config(tiny_moe_config(), parallelism).build()
+    model.verify_module_protocol()
+    fp32_experts(cpu_attention(model))
+    _parallelize(model, parallelism, dims)
+    model.to_empty(device="cpu")
+    torch.manual_seed(SEED)
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    on_meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    assert not on_meta, on_meta
+    ref = build_moe(tiny_moe_config())
+    assert _buffers(model, every=True).keys() == _buffers(ref, every=True).keys()
+    for name, value in _buffers(ref, every=True).items():
+        assert torch.equal(_buffers(model, every=True)[name], value), name
+    values = {canonical_fqn(k): v for k, v in full_values(model).items()}
+    for fqn in _matrices(ref):
+        if EXPERT_NAMES.fullmatch(fqn):
+            flat = values[fqn].flatten(1)
+            assert torch.cdist(flat, flat).add(torch.eye(len(flat))).min() > 0, \
+                f"{fqn}: two experts drew the same values"
+        want = _expected_matrix(ref, fqn, tuple(values[fqn].shape), 2)
+        assert torch.equal(values[fqn], want), f"{fqn}: not its init stream's values"
+    missing, unexpected = ref.load_state_dict(values, strict=False)  # buffers: checked equal
+    assert not unexpected and all(k.endswith("expert_bias_E") for k in missing), missing
+    errors = _train(world, pair=(ref, model, dims))
+    assert max(errors) <= PARAM_RTOL, errors
+
+
 def _bf16_experts(world: int) -> float:
     """torchtitan's experts as written (bf16 casts, bf16 grouped mm) run through EP and the wrap.
     From identical parameters the bf16 roundings agree, so step-1 gradients match one process
@@ -227,7 +292,8 @@ def _bf16_experts(world: int) -> float:
 
 def _world(rank: int, world: int) -> None:
     checks = {"selected": functools.partial(_selected, world),
-              "train": functools.partial(_train, world)}
+              "train": functools.partial(_train, world),
+              "meta_init": functools.partial(_meta_init, world)}
     if world == 2:
         checks["bf16_experts"] = functools.partial(_bf16_experts, world)
     run_subtests(rank, checks)

@@ -15,6 +15,10 @@ So each matrix draws from a stream of its own instead:
   and it restarts from the new seed when ``initial_seed()`` changes (``torch.manual_seed`` with
   another seed). Single-process equivalent: one ``matrix_init_generator(fqn, s)`` per matrix,
   passed as ``generator=`` to each of its draws in order.
+- An expert stack distributed over ``ep`` (the same FQN on every ep rank) draws ep rank ``r``'s
+  local experts ``[a, b)`` from the stream of ``f"{fqn}[{a}:{b}]"`` (``init_stream_name``): the
+  ep ranks' experts differ, and each local stack is the same at every expert-mesh (efsdp) size;
+  its values change with the ep size (the stack one call draws is the local one).
 - The owner draws the whole matrix from it; non-owners' empty placeholders draw nothing (under
   HSDP each replica's owner draws the same values). Matrix draws neither read nor advance the
   default generator, so on every rank the tail's init sees the default stream as if no matrix
@@ -66,6 +70,7 @@ __all__ = [
     "begin_init_window",
     "default_generator",
     "end_init_window",
+    "init_stream_name",
     "init_window_across_apply",
     "matrix_init_generator",
     "matrix_init_seed",
@@ -288,7 +293,7 @@ def begin_init_window(params: Iterable[MatrixParam]) -> None:
                     "invariant, see [Note: matrix init RNG])", param.device.type,
                     param.device.type)
             continue
-        rng = mp.init_rng if mp.init_rng is not None else MatrixInitRng(mp.fqn)
+        rng = mp.init_rng if mp.init_rng is not None else MatrixInitRng(init_stream_name(mp))
         if not rng.open:
             rng.open = True
             _open_windows += 1
@@ -296,6 +301,17 @@ def begin_init_window(params: Iterable[MatrixParam]) -> None:
         param.__class__ = _InitParam
         param.__dict__[_RNG_ATTR] = rng
         mp.init_rng = rng
+
+
+def init_stream_name(mp: MatrixParam) -> str:
+    """The name whose stream matrix ``mp`` draws from: its FQN, and for an expert stack under
+    EP the FQN with this ep rank's global experts, ``f"{fqn}[{first}:{stop}]"`` (every ep rank
+    holds a stack of the same FQN; one stream would give each ep rank the same experts)."""
+    layout = getattr(mp, "ep", None)
+    if layout is None:
+        return mp.fqn
+    experts = layout.experts_on(layout.ep_rank)
+    return f"{mp.fqn}[{experts.start}:{experts.stop}]"
 
 
 def _close(rng: MatrixInitRng) -> None:
