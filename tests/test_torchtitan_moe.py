@@ -9,13 +9,15 @@ then ``fully_shard_matrix`` over ``fsdp`` with ``efsdp`` as ``expert_mesh``. The
 ``MatrixOptimizersContainer`` (Muon + AdamW) with torchtitan's load-balancing pre-hook
 registered on it, the loss the trainer's (local token sum over the global token count).
 
-Checked at world 2 = ep 2 (efsdp 1) and world 4 = fsdp 4 = efsdp 2 x ep 2, 3 free-running
-steps against one process on the same global batch (see [Note: fp32 experts] in
+Checked at world 2 = ep 2 (efsdp 1), world 4 = fsdp 4 = efsdp 2 x ep 2 and world 4 under HSDP
+(dp_replicate 2 x fsdp 2; experts (dp_replicate 2, efsdp 1) x ep 2), 3 free-running steps
+against one process on the same global batch (see [Note: fp32 experts] in
 ``titan_moe.py`` for the one patch, the experts' bf16 casts):
 gradients of step 1 within 1e-6 relative, ``mf.global_grad_norm`` and the trainer's clip
 stand-in within 1e-6 after every backward, parameters within 1e-5 and the load-balancing bias
 equal after every step; every expert stack is a matrix owned over ``efsdp``; the container's
 step issues no collective but torchtitan's bias hook's all-reduce, the matrix optimizer none.
+Meta-device init as torchtitan's trainer does it (``_meta_init``) at the first two shapes.
 """
 
 from __future__ import annotations
@@ -69,8 +71,8 @@ from .titan_moe import (
 )
 
 # Measured (largest relative error over all parameters after steps 1 / 2 / 3): ep 2:
-# 3.0e-6 / 5.5e-6 / 7.0e-6; efsdp 2 x ep 2: 3.5e-6 / 6.5e-6 / 8.6e-6; step-1 gradients
-# 2.3e-7 / 2.4e-7. The worst is always a router gate: its gradient is ill-conditioned (8 rows,
+# 3.0e-6 / 5.5e-6 / 7.0e-6; efsdp 2 x ep 2: 3.5e-6 / 6.5e-6 / 8.6e-6; HSDP: 3.4e-6 / 6.1e-6 /
+# 7.8e-6; step-1 gradients 2.3e-7 / 2.4e-7. The worst is always a router gate: its gradient is ill-conditioned (8 rows,
 # condition number ~8e6), and Muon's Newton–Schulz (slope 3.44 per iteration at small singular
 # values) amplifies fp32 noise there: a one-process step whose gradient is perturbed by 3e-7
 # relative noise moves the gate by 4-5e-6 (every other matrix: <= 2.2e-6).
@@ -88,8 +90,9 @@ def _parallelize(model: nn.Module, parallelism, dims) -> nn.Module:
                           compile_config=CompileConfig(), ac_config=None, dump_folder="/tmp")
 
 
-def _pair(world: int, fp32: bool = True):
-    parallelism, dims = cpu_parallel_dims(world, ep=2)
+def _pair(world: int, fp32: bool = True, replicate: int = 1):
+    parallelism, dims = cpu_parallel_dims(world, dp_replicate=replicate,
+                                          dp_shard=world // replicate, ep=2)
     ref = build_moe(tiny_moe_config(), fp32=fp32)
     model = build_moe(sharded_config(tiny_moe_config(), parallelism), fp32=fp32)
     _parallelize(model, parallelism, dims)
@@ -120,10 +123,10 @@ def _matrices(ref: nn.Module) -> set[str]:
 
 
 # -- selection and ownership ---------------------------------------------------------------------
-def _selected(world: int) -> None:
+def _selected(world: int, replicate: int = 1) -> None:
     """Defaults select every block matrix and every expert stack; stacks are owned over efsdp,
     distributed by torchtitan's EP as Shard(0) over ep."""
-    ref, model, dims = _pair(world)
+    ref, model, dims = _pair(world, replicate=replicate)
     plan = mf.get_plan(model)
     selected = {canonical_fqn(p.fqn) for p in plan.matrices}
     assert selected == _matrices(ref), selected ^ _matrices(ref)
@@ -131,7 +134,8 @@ def _selected(world: int) -> None:
     assert experts == {f for f in selected if EXPERT_NAMES.fullmatch(f)}, experts
     assert len(experts) == 6
     _, expert_mesh = data_parallel_meshes(dims)
-    efsdp = dist.get_process_group_ranks(expert_mesh.get_group())
+    efsdp = dist.get_process_group_ranks(expert_mesh.get_group("efsdp"))
+    assert expert_mesh.mesh_dim_names == (("dp_replicate",) if replicate > 1 else ()) + ("efsdp",)
     ep = dims.get_mesh("ep")
     state = mf.get_state(model)
     for group in state.groups:
@@ -184,9 +188,10 @@ def _buffers(model: nn.Module, every: bool = False) -> dict[str, torch.Tensor]:
     return out
 
 
-def _train(world: int, steps: int = 3, fp32: bool = True, pair=None) -> list[float]:
-    ref, model, dims = _pair(world, fp32) if pair is None else pair
-    rank = dist.get_rank()
+def _train(world: int, steps: int = 3, fp32: bool = True, pair=None, replicate: int = 1
+           ) -> list[float]:
+    ref, model, dims = _pair(world, fp32, replicate) if pair is None else pair
+    rank = dims.get_mesh("batch").get_local_rank()  # the data-parallel rank
     reference = MoEReference(ref, {canonical_fqn(p.fqn) for p in mf.get_plan(model).matrices})
     optimizers = _container(model, dims)
     dispatcher = ref.layers["1"].moe.routed_experts.token_dispatcher
@@ -290,10 +295,11 @@ def _bf16_experts(world: int) -> float:
     return worst
 
 
-def _world(rank: int, world: int) -> None:
-    checks = {"selected": functools.partial(_selected, world),
-              "train": functools.partial(_train, world),
-              "meta_init": functools.partial(_meta_init, world)}
+def _world(rank: int, world: int, replicate: int = 1) -> None:
+    checks = {"selected": functools.partial(_selected, world, replicate),
+              "train": functools.partial(_train, world, replicate=replicate)}
+    if replicate == 1:
+        checks["meta_init"] = functools.partial(_meta_init, world)
     if world == 2:
         checks["bf16_experts"] = functools.partial(_bf16_experts, world)
     run_subtests(rank, checks)
@@ -309,4 +315,6 @@ def test_efsdp2_ep2() -> None:
     run_world(4, _world)
 
 
-
+def test_hsdp_ep2() -> None:
+    """world 4 = dp_replicate 2 x fsdp 2, the experts (dp_replicate 2, efsdp 1) x ep 2."""
+    run_world(4, _world, 2)
