@@ -11,11 +11,16 @@
   ``fsdp2`` (``fully_shard`` on each layer, then the stage root), both
   ``reshard_after_forward=True`` (``--keep`` adds ``False``).
 - Step time: ``schedule.step`` (forward, backward, the end-of-step reduction, gradient scaling),
-  between two barriers, the slowest rank's; median over ``--reps`` after one warm-up step.
+  between two barriers, the slowest rank's; median over ``--reps`` after one warm-up step. Each
+  rep steps both strategies, in alternating order, so both see the same machine load; the ratio
+  column is the median of the reps' FSDP2 / matrixfsdp ratios.
 - Matrix bytes per step and rank, sent + received: matrixfsdp's counter (owner gathers and
   reductions of the matrices); FSDP2's layer units (all-gathers of their shards, reduce-scatters
   of their gradients; a unit's norms and biases are < 1 % of it), ring volumes ``(n-1)/n`` of
-  the unit per direction. The root units (embedding, head) are left out on both sides.
+  the unit per direction. The root units (embedding, head) are left out on both sides. On
+  gloo, ``collectives="auto"`` reduces a group whose padded buffer is at most 1 MiB with one
+  all-reduce, counted as its payload sent and received (at dp 2 twice the bytes of a
+  reduce-scatter); ``--collectives alltoall`` (one exchange per group) moves FSDP2's bytes.
 - The optimizer step is not timed here: matrixfsdp's Muon step is local on owners, FSDP2 +
   Muon needs every matrix whole (reconstruction, §4/§5); the projection adds it.
 """
@@ -150,72 +155,91 @@ def _measure(rank: int, world: int, args: argparse.Namespace) -> list[dict[str, 
     rows = []
     for raf in (True, False) if args.keep else (True,):
         for micro in args.micro:
-            for strategy in ("matrixfsdp", "fsdp2"):
-                rows.append(_one(full, strategy, micro, raf, pp_group, dp_mesh, pp_rank,
-                                 dp_rank, args))
+            steps = {s: _Stepper(full, s, micro, raf, pp_group, dp_mesh, pp_rank, dp_rank, args)
+                     for s in STRATEGIES}
+            samples: dict[str, tuple[list[float], list[int]]] = {s: ([], []) for s in steps}
+            for rep in range(args.reps):  # both strategies each rep, the order alternating
+                for strategy in STRATEGIES[::1 if rep % 2 == 0 else -1]:
+                    elapsed, nbytes = steps[strategy].timed()
+                    samples[strategy][0].append(elapsed)
+                    samples[strategy][1].append(nbytes)
+            ours, theirs = samples["matrixfsdp"][0], samples["fsdp2"][0]
+            ratio = statistics.median(f / m for m, f in zip(ours, theirs, strict=True))
+            for strategy, (times, nbytes) in samples.items():
+                rows.append({"strategy": strategy, "micro": micro, "reshard_after_forward": raf,
+                             "pp_rank": pp_rank, "step_ms": 1e3 * statistics.median(times),
+                             "matrix_bytes": statistics.median(nbytes),
+                             "fsdp2_over_ours": ratio, "reps": args.reps})
     return rows
 
 
-def _one(full: nn.Module, strategy: str, micro: int, raf: bool, pp_group: dist.ProcessGroup,
-         dp_mesh: DeviceMesh, pp_rank: int, dp_rank: int,
-         args: argparse.Namespace) -> dict[str, Any]:
-    module = _stage(full, pp_rank, args.layers)
-    if strategy == "matrixfsdp":
-        mf.fully_shard_matrix(module, dp_mesh, reshard_after_forward=raf)
-    else:
-        for block in module.layers.values():
-            fully_shard(block, mesh=dp_mesh, reshard_after_forward=raf)
-        fully_shard(module, mesh=dp_mesh, reshard_after_forward=raf)
-    stage = PipelineStage(module, pp_rank, 2, torch.device("cpu"), group=pp_group)
-    schedule = pipelining.ScheduleGPipe(stage, micro, loss_fn=_loss)
-    g = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, VOCAB, (2 * args.rows, args.seq + 1), generator=g)
-    local = tokens[dp_rank * args.rows:(dp_rank + 1) * args.rows]
+STRATEGIES = ("matrixfsdp", "fsdp2")
 
-    def step() -> None:
-        if pp_rank == 0:
-            schedule.step(local[:, :-1])
+
+class _Stepper:
+    """One strategy's stage and schedule; ``timed()``: one step, the slowest rank's seconds and
+    this rank's matrix bytes."""
+
+    def __init__(self, full: nn.Module, strategy: str, micro: int, raf: bool,
+                 pp_group: dist.ProcessGroup, dp_mesh: DeviceMesh, pp_rank: int, dp_rank: int,
+                 args: argparse.Namespace) -> None:
+        module = _stage(full, pp_rank, args.layers)
+        if strategy == "matrixfsdp":
+            mf.fully_shard_matrix(module, dp_mesh, reshard_after_forward=raf,
+                                  collectives=args.collectives)
         else:
-            schedule.step(target=local[:, 1:])
-        for p in module.parameters():
+            for block in module.layers.values():
+                fully_shard(block, mesh=dp_mesh, reshard_after_forward=raf)
+            fully_shard(module, mesh=dp_mesh, reshard_after_forward=raf)
+        stage = PipelineStage(module, pp_rank, 2, torch.device("cpu"), group=pp_group)
+        self.schedule = pipelining.ScheduleGPipe(stage, micro, loss_fn=_loss)
+        self.module, self.strategy, self.pp_rank = module, strategy, pp_rank
+        g = torch.Generator().manual_seed(1)
+        tokens = torch.randint(0, VOCAB, (2 * args.rows, args.seq + 1), generator=g)
+        self.local = tokens[dp_rank * args.rows:(dp_rank + 1) * args.rows]
+        self._step()  # warm-up (and the schedule's shape inference)
+
+    def _step(self) -> None:
+        if self.pp_rank == 0:
+            self.schedule.step(self.local[:, :-1])
+        else:
+            self.schedule.step(target=self.local[:, 1:])
+        for p in self.module.parameters():
             p.grad = None
 
-    step()  # warm-up (and the schedule's shape inference)
-    times, nbytes = [], []
-    for _ in range(args.reps):
-        counter = mf.get_state(module).comm.counter if strategy == "matrixfsdp" else None
+    def timed(self) -> tuple[float, int]:
+        counter = mf.get_state(self.module).comm.counter if self.strategy == "matrixfsdp" else None
         if counter is not None:
             counter.reset()
         with _Fsdp2Bytes() as fsdp2_bytes:
             dist.barrier()
             start = time.perf_counter()
-            step()
+            self._step()
             elapsed = time.perf_counter() - start
             dist.barrier()
         if counter is not None:
             ops = ("all_gather_v", "reduce_to_owners")
-            nbytes.append(sum(counter.by_op[o].bytes_sent + counter.by_op[o].bytes_received
-                              for o in ops if o in counter.by_op))
+            nbytes = sum(counter.by_op[o].bytes_sent + counter.by_op[o].bytes_received
+                         for o in ops if o in counter.by_op)
         else:
-            nbytes.append(fsdp2_bytes.bytes)
+            nbytes = fsdp2_bytes.bytes
         slowest = [0.0] * dist.get_world_size()
         dist.all_gather_object(slowest, elapsed)
-        times.append(max(slowest))
-    return {"strategy": strategy, "micro": micro, "reshard_after_forward": raf,
-            "pp_rank": pp_rank, "step_ms": 1e3 * statistics.median(times),
-            "matrix_bytes": statistics.median(nbytes)}
+        return max(slowest), nbytes
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
     out = ["| reshard_after_forward | microbatches | matrixfsdp step (ms) | FSDP2 step (ms) | "
+           "FSDP2 / matrixfsdp (median of paired reps) | "
            "matrixfsdp matrix bytes / step / rank (MiB) | FSDP2 layer-unit bytes (MiB) |",
-           "|---|---|---|---|---|---|"]
+           "|---|---|---|---|---|---|---|"]
     keyed = {(r["strategy"], r["micro"], r["reshard_after_forward"]): r for r in rows}
     for (strategy, micro, raf), r in keyed.items():
         if strategy != "matrixfsdp":
             continue
         f = keyed[("fsdp2", micro, raf)]
         out.append(f"| {raf} | {micro} | {r['step_ms']:.1f} | {f['step_ms']:.1f} | "
+                   f"{r['fsdp2_over_ours']:.2f} | "
                    f"{r['matrix_bytes'] / 2**20:.2f} | {f['matrix_bytes'] / 2**20:.2f} |")
     return "\n".join(out)
 
@@ -229,6 +253,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--micro", type=int, nargs="+", default=[1, 4, 8])
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--keep", action="store_true", help="also reshard_after_forward=False")
+    parser.add_argument("--collectives", default="auto", choices=("auto", "alltoall", "p2p"),
+                        help="fully_shard_matrix(collectives=...)")
     parser.add_argument("--projection-only", action="store_true")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
