@@ -17,7 +17,8 @@ gradients of step 1 within 1e-6 relative, ``mf.global_grad_norm`` and the traine
 stand-in within 1e-6 after every backward, parameters within 1e-5 and the load-balancing bias
 equal after every step; every expert stack is a matrix owned over ``efsdp``; the container's
 step issues no collective but torchtitan's bias hook's all-reduce, the matrix optimizer none.
-Meta-device init as torchtitan's trainer does it (``_meta_init``) at the first two shapes.
+Meta-device init as torchtitan's trainer does it (``_meta_init``) at the first two shapes;
+torchtitan's selective and full activation checkpointing at ep 2.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from torch.profiler import ProfilerActivity, profile
 from torchtitan.components.checkpointer.utils import canonical_fqn
 from torchtitan.components.optimizer import register_moe_load_balancing_hook
 from torchtitan.config import CompileConfig, TrainingConfig
+from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 
 from matrixfsdp.integrations.torchtitan import (
     MatrixOptimizersContainer,
@@ -85,17 +87,17 @@ ROWS, VOCAB = 8, 256
 SEED = 7
 
 
-def _parallelize(model: nn.Module, parallelism, dims) -> nn.Module:
+def _parallelize(model: nn.Module, parallelism, dims, ac=None) -> nn.Module:
     return parallelize_fn(model, parallel_dims=dims, training=FP32, parallelism=parallelism,
-                          compile_config=CompileConfig(), ac_config=None, dump_folder="/tmp")
+                          compile_config=CompileConfig(), ac_config=ac, dump_folder="/tmp")
 
 
-def _pair(world: int, fp32: bool = True, replicate: int = 1):
+def _pair(world: int, fp32: bool = True, replicate: int = 1, ac=None):
     parallelism, dims = cpu_parallel_dims(world, dp_replicate=replicate,
                                           dp_shard=world // replicate, ep=2)
     ref = build_moe(tiny_moe_config(), fp32=fp32)
     model = build_moe(sharded_config(tiny_moe_config(), parallelism), fp32=fp32)
-    _parallelize(model, parallelism, dims)
+    _parallelize(model, parallelism, dims, ac)
     return ref, model, dims
 
 
@@ -188,9 +190,11 @@ def _buffers(model: nn.Module, every: bool = False) -> dict[str, torch.Tensor]:
     return out
 
 
-def _train(world: int, steps: int = 3, fp32: bool = True, pair=None, replicate: int = 1
-           ) -> list[float]:
-    ref, model, dims = _pair(world, fp32, replicate) if pair is None else pair
+def _train(world: int, steps: int = 3, fp32: bool = True, pair=None, replicate: int = 1,
+           ac=None) -> list[float]:
+    ref, model, dims = _pair(world, fp32, replicate, ac) if pair is None else pair
+    wrapped = any("_checkpoint_wrapped_module" in n for n, _ in model.named_parameters())
+    assert wrapped == (ac is not None), "activation checkpointing was not applied"
     rank = dims.get_mesh("batch").get_local_rank()  # the data-parallel rank
     reference = MoEReference(ref, {canonical_fqn(p.fqn) for p in mf.get_plan(model).matrices})
     optimizers = _container(model, dims)
@@ -302,6 +306,10 @@ def _world(rank: int, world: int, replicate: int = 1) -> None:
         checks["meta_init"] = functools.partial(_meta_init, world)
     if world == 2:
         checks["bf16_experts"] = functools.partial(_bf16_experts, world)
+        # torchtitan's AC (the debugmodel's selective AC, and full AC): the all-to-all and the
+        # routing recompute in backward; the bias hook halves the recomputed counts
+        checks["selective_ac"] = functools.partial(_train, world, ac=SelectiveAC.Config())
+        checks["full_ac"] = functools.partial(_train, world, ac=FullAC.Config())
     run_subtests(rank, checks)
 
 
