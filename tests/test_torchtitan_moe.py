@@ -23,6 +23,7 @@ torchtitan's selective and full activation checkpointing at ep 2.
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import pytest
@@ -299,6 +300,17 @@ def _bf16_experts(world: int) -> float:
     return worst
 
 
+def _refuses_ep_with_tp(world: int) -> None:
+    """EP with TP (torchtitan's ep borrows the tp ranks) is refused, naming the settings."""
+    parallelism, dims = cpu_parallel_dims(world, ep=2)
+    bad = copy.copy(dims)
+    object.__setattr__(bad, "tp", 2)
+    with torch.device("meta"):
+        model = tiny_moe_config().build()
+    with pytest.raises(NotImplementedError, match="tensor_parallel_degree=1"):
+        _parallelize(model, parallelism, bad)
+
+
 def _world(rank: int, world: int, replicate: int = 1) -> None:
     checks = {"selected": functools.partial(_selected, world, replicate),
               "train": functools.partial(_train, world, replicate=replicate)}
@@ -306,6 +318,7 @@ def _world(rank: int, world: int, replicate: int = 1) -> None:
         checks["meta_init"] = functools.partial(_meta_init, world)
     if world == 2:
         checks["bf16_experts"] = functools.partial(_bf16_experts, world)
+        checks["refuses_ep_with_tp"] = functools.partial(_refuses_ep_with_tp, world)
         # torchtitan's AC (the debugmodel's selective AC, and full AC): the all-to-all and the
         # routing recompute in backward; the bias hook halves the recomputed counts
         checks["selective_ac"] = functools.partial(_train, world, ac=SelectiveAC.Config())

@@ -11,7 +11,8 @@
   torchtitan's ``disable_fsdp_gradient_division`` (the trainer divides the loss by the global
   token count; every FSDPModule, so the matrices too, then sums gradients).
 - Refused with ``NotImplementedError`` naming the setting: pipeline and context parallelism,
-  CPU offload and symmetric-memory FSDP (not tested through this path), and TP / EP under the
+  CPU offload and symmetric-memory FSDP (not tested through this path), EP with TP (torchtitan's
+  ep borrows tp ranks, so efsdp x ep is not the fsdp mesh), and TP / EP under the
   ``spmd_types`` / ``full_dtensor`` backends (their parameters are DTensors over the dp axes
   too; set ``parallelism.spmd_backend = "partial_dtensor"``). Without TP and EP the model needs
   no distribution on any backend and is wrapped as built.
@@ -145,6 +146,13 @@ def _check_supported(parallel_dims: ParallelDims, parallelism: ParallelismConfig
             raise NotImplementedError(
                 f"matrixfsdp's torchtitan parallelize_fn does not support {setting}; turn it off "
                 "or use torchtitan's own parallelize_fn with FSDP2")
+    if parallel_dims.tp_enabled and parallel_dims.ep_enabled:
+        raise NotImplementedError(
+            f"matrixfsdp's torchtitan parallelize_fn does not support expert parallelism "
+            f"together with tensor parallelism (ep={parallel_dims.ep}, tp={parallel_dims.tp}): "
+            "torchtitan's ep borrows tp ranks (efsdp = fsdp * tp / ep), and matrixfsdp owns "
+            "expert stacks over an efsdp that tiles the dense fsdp ranks with ep (efsdp x ep = "
+            "fsdp); set parallelism.tensor_parallel_degree=1 or expert_parallel_degree=1")
     backend = parallel_dims.spmd_backend
     if backend != "partial_dtensor" and (parallel_dims.tp_enabled or parallel_dims.ep_enabled):
         raise NotImplementedError(
