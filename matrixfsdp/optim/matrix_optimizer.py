@@ -6,7 +6,7 @@ step of each matrix runs on its owner alone and issues no collective. Param grou
 (``kind="tail"``) holds the FSDP2 DTensors and is stepped by a stock ``torch.optim.AdamW`` that
 shares this optimizer's ``state`` and group dicts, so ``state_dict()``, LR schedulers and DCP see
 one ordinary optimizer. ``add_param_group`` adds a group of either kind, routed by whether the
-runtime manages its parameters as matrices.
+runtime manages its parameters as matrices (``param_groups.py``).
 
 With ``skip_nonfinite=True`` a step whose global gradient norm is inf/NaN is skipped on every rank
 alike; see [Note: skipping non-finite steps] in ``matrixfsdp.nonfinite``.
@@ -18,12 +18,10 @@ whole: their TP shards meet on a step owner in the owner row's tp group, which k
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import math
 import weakref
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -44,7 +42,6 @@ from .layouts import (
     resolve_split,
     split_key,
 )
-from .offload import StatePlacement, make_state_placement
 from .owner_step import (
     OwnedMatrix,
     StepBatching,
@@ -56,35 +53,24 @@ from .owner_step import (
     step_owned,
     write_back_rows,
 )
-from .registry import MatrixOptimizerSpec, get_matrix_optimizer
+from .param_groups import (
+    MatrixParamGroups,
+    build_matrix_group,
+    build_tail_optimizer,
+    check_rates,
+    check_torch_class,
+    matrix_params,
+    state_placement,
+)
+from .registry import MatrixOptimizerSpec
 from .tp_step import TpMatrix, WholeStepper, step_tp_matrices, tp_step_owners
-
-if TYPE_CHECKING:
-    from ..runtime import MatrixFSDPState
 
 __all__ = ["MatrixOptimizer", "state_bytes"]
 
 logger = logging.getLogger(__name__)
 
 
-def _check_rates(**rates: float) -> None:
-    """Raise ``ValueError`` naming the first learning rate or decay that is not a finite ``>= 0``."""
-    for field, value in rates.items():
-        if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-            raise ValueError(f"MatrixOptimizer.{field} must be a finite number >= 0, got {value!r}")
-
-
-def _matrix_params(model: nn.Module, runtime: MatrixFSDPState) -> tuple[list[nn.Parameter], list[str]]:
-    """The parameters the matrix optimizer steps and their FQNs: every planned matrix (its
-    sharded parameter, empty on non-owners), then the sharded expert stacks."""
-    named = dict(model.named_parameters())
-    matrices = [mp.sharded for mp in runtime.params.values()]
-    matrices += [named[p.fqn] for p in runtime.plan.sharded_stacks]
-    fqns = [*runtime.params, *(p.fqn for p in runtime.plan.sharded_stacks)]
-    return matrices, fqns
-
-
-class MatrixOptimizer(torch.optim.Optimizer):
+class MatrixOptimizer(MatrixParamGroups, torch.optim.Optimizer):
     """Matrix optimizer for owned matrices + tail optimizer for FSDP2 shards.
 
     Args:
@@ -169,11 +155,11 @@ class MatrixOptimizer(torch.optim.Optimizer):
         agree_on_error: bool = False,
         **optimizer_kwargs: Any,
     ) -> None:
-        _check_rates(lr=lr, weight_decay=weight_decay, tail_lr=tail_lr,
-                     tail_weight_decay=tail_weight_decay)
+        check_rates(lr=lr, weight_decay=weight_decay, tail_lr=tail_lr,
+                    tail_weight_decay=tail_weight_decay)
         runtime = get_state(model)
         self._runtime = runtime
-        matrices, fqns = _matrix_params(model, runtime)
+        matrices, fqns = matrix_params(model, runtime)
         orientation = {p.fqn: p.orientation for p in runtime.plan.params}
         self._orientation = {id(p): orientation[f] for p, f in zip(matrices, fqns, strict=True)}
         self._fqn_of = {id(p): f for p, f in zip(matrices, fqns, strict=True)}
@@ -187,25 +173,17 @@ class MatrixOptimizer(torch.optim.Optimizer):
         self._matrix_ids = frozenset(matrix_ids)
         self._tail_args = (tail_optimizer, tail_lr, tail_weight_decay, dict(tail_optimizer_kwargs or {}))
         tail = [p for p in model.parameters() if id(p) not in matrix_ids]
-        self._spec, self._matrix_cls, matrix_group = _matrix_group(
+        self._spec, self._matrix_cls, matrix_group = build_matrix_group(
             optimizer, matrices, lr, weight_decay, optimizer_kwargs
         )
         matrix_group["split"] = resolve_split(split, runtime.plan, fqns)
         if self._matrix_cls is not None:
-            _check_torch_class(self._matrix_cls, matrix_group["split"],
-                               [f for f in fqns if orientation[f] != "out_in"])
-            probe_torch_class(self._matrix_cls, matrix_group, runtime.plan.params, set(fqns))
+            self._check_matrix_class(matrix_group, fqns, orientation)
         self._tp = _tp_entries(runtime, self._matrix_cls, self._spec)
         self._tp_elsewhere = {id(mp.sharded) for mp in runtime.params.values()
                               if getattr(mp, "tp", None) is not None and not mp.is_owner}
-        if self._matrix_cls is not None and runtime.plan.sharded_stacks:
-            raise NotImplementedError(
-                f"a torch.optim class cannot step the expert slices of sharded stacks "
-                f"{[p.fqn for p in runtime.plan.sharded_stacks]}; register a step function "
-                "(register_matrix_optimizer) or wrap with planner=LPTPlanner(stacks='whole')"
-            )
-        self._tail_inner = _tail_inner(tail_optimizer, tail, tail_lr, tail_weight_decay,
-                                       tail_optimizer_kwargs or {})
+        self._tail_inner = build_tail_optimizer(tail_optimizer, tail, tail_lr, tail_weight_decay,
+                                                tail_optimizer_kwargs or {})
         groups = [matrix_group]
         if self._tail_inner is not None:
             tail_group = self._tail_inner.param_groups[0]
@@ -216,11 +194,35 @@ class MatrixOptimizer(torch.optim.Optimizer):
         self._config_cache: tuple[tuple, Any] | None = None
         self._layout_cache: tuple[tuple, dict[int, MatrixLayout]] | None = None
         asked = getattr(batch_same_shape, "same_shape", batch_same_shape)  # StepBatching or bool
-        self._placement = _placement(offload_state, matrices, runtime.plan.sharded_stacks,
-                                     self._matrix_cls, asked)
+        self._placement = state_placement(offload_state, matrices, runtime.plan.sharded_stacks,
+                                          self._matrix_cls, asked)
         self.step_batching = resolve_batching(
             batch_same_shape, any(p.is_cuda for p in matrices) and not self._placement.offloaded)
         self.batch_same_shape = self.step_batching.same_shape
+        self._init_step_records(skip_nonfinite, agree_on_error)
+        self._wrap_state()
+        self._link_inner()
+        self.register_load_state_dict_pre_hook(refuse_other_split, prepend=True)
+        # state_dict()/load_state_dict() show every matrix's state on every rank, as matrix
+        # DTensors, and a load keeps the state's dtypes (see [Note: optimizer state-dict view]).
+        install_optimizer_state_view(self, keep_dtypes=True)
+
+    def _check_matrix_class(self, group: dict[str, Any], fqns: list[str],
+                            orientation: dict[str, str]) -> None:
+        """What a torch.optim class for the matrices cannot do, refused before any step."""
+        assert self._matrix_cls is not None
+        plan = self._runtime.plan
+        check_torch_class(self._matrix_cls, group["split"],
+                          [f for f in fqns if orientation[f] != "out_in"])
+        probe_torch_class(self._matrix_cls, group, plan.params, set(fqns))
+        if plan.sharded_stacks:
+            raise NotImplementedError(
+                f"a torch.optim class cannot step the expert slices of sharded stacks "
+                f"{[p.fqn for p in plan.sharded_stacks]}; register a step function "
+                "(register_matrix_optimizer) or wrap with planner=LPTPlanner(stacks='whole')"
+            )
+
+    def _init_step_records(self, skip_nonfinite: bool, agree_on_error: bool) -> None:
         self.skip_nonfinite = bool(skip_nonfinite)
         self.agree_on_error = bool(agree_on_error)
         self._steps_called = 0
@@ -228,13 +230,6 @@ class MatrixOptimizer(torch.optim.Optimizer):
         self.skipped_steps = 0  # steps skipped for a non-finite gradient norm (this process)
         self.last_step_skipped = False
         self.tp_step_bytes = 0  # bytes this rank sent in tp groups in the last step (TP matrices)
-        self._runtime = runtime
-        self._wrap_state()
-        self._link_inner()
-        self.register_load_state_dict_pre_hook(refuse_other_split, prepend=True)
-        # state_dict()/load_state_dict() show every matrix's state on every rank, as matrix
-        # DTensors, and a load keeps the state's dtypes (see [Note: optimizer state-dict view]).
-        install_optimizer_state_view(self, keep_dtypes=True)
 
     def _wrap_state(self) -> None:
         """``state`` as a ``MatrixState`` (see [Note: flat optimizer state])."""
@@ -258,80 +253,6 @@ class MatrixOptimizer(torch.optim.Optimizer):
             self._tail_inner.param_groups = [g for g in self.param_groups if g["kind"] == "tail"]
         for inner in self._matrix_inners.values():
             inner.state = self.state
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group; matrices step with the matrix optimizer, anything else with the tail's.
-
-        The parameters are routed by whether the runtime manages them as matrices (a group must
-        not mix the two). Unset hyperparameters come from the first group of the same kind; for
-        a matrix group, keys other than ``lr``/``weight_decay``/``initial_lr``/``split`` are
-        matrix optimizer keywords (e.g. ``momentum``).
-        """
-        if "kind" not in param_group:  # a user's group (our own groups arrive with their kind)
-            param_group = self._route(param_group)
-        super().add_param_group(param_group)
-        if hasattr(self, "_config_cache"):  # not while torch's __init__ adds the first groups
-            self._link_inner()
-
-    def _route(self, param_group: dict[str, Any]) -> dict[str, Any]:
-        params = param_group["params"]
-        params = [params] if isinstance(params, torch.Tensor) else list(params)
-        ids = self._matrix_ids | {id(mp.sharded) for mp in self._runtime.params.values()}
-        kinds = {id(p) in ids for p in params}
-        if len(kinds) > 1:
-            shapes = [tuple(p.shape) for p in params]
-            raise ValueError(
-                f"MatrixOptimizer.add_param_group: the group (parameter shapes {shapes}) mixes "
-                "matrices managed by matrixfsdp with other tensors; add them as two groups"
-            )
-        group = {**param_group, "params": params}
-        if kinds == {True}:
-            return self._matrix_group_defaults(group)
-        if self._tail_inner is None:
-            cls_or_name, lr, wd, kwargs = self._tail_args
-            self._tail_inner = _tail_inner(cls_or_name, params, lr, wd, kwargs)
-            assert self._tail_inner is not None  # params is not empty here
-            self._tail_inner.param_groups.clear()
-        return {**self._tail_inner.defaults, **group, "kind": "tail"}
-
-    def _matrix_group_defaults(self, group: dict[str, Any]) -> dict[str, Any]:
-        base = next(g for g in self.param_groups if g["kind"] == "matrix")
-        own = {"params", "lr", "weight_decay", "initial_lr", "split"}
-        kwargs = {**base["matrix_kwargs"], **{k: v for k, v in group.items() if k not in own}}
-        if self._spec is not None:
-            config = self._spec.make_config(kwargs)  # validates, naming the bad field
-            if dataclasses.is_dataclass(config):
-                kwargs = dataclasses.asdict(config)
-        lr = group.get("lr", base["lr"])
-        _check_rates(lr=lr, weight_decay=group.get("weight_decay", base["weight_decay"]))
-        out = {"params": group["params"], "kind": "matrix", "lr": lr,
-               "initial_lr": group.get("initial_lr", lr),
-               "weight_decay": group.get("weight_decay", base["weight_decay"]),
-               "optimizer": base["optimizer"], "matrix_kwargs": kwargs}
-        out["split"] = self._group_split(group, base)
-        if self._matrix_cls is not None:  # its keywords, checked as the constructor does
-            fqns = {self._fqn_of.get(id(p)) for p in group["params"]}
-            probe_torch_class(self._matrix_cls, out, self._runtime.plan.params, fqns)
-        return out
-
-    def _group_split(self, group: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
-        """The new group's stored split: its ``split`` resolved as the constructor's (the same
-        forms and errors, over the group's matrices), else the first matrix group's entries for
-        them."""
-        fqn_of = {**self._fqn_of, **{id(mp.sharded): f for f, mp in self._runtime.params.items()}}
-        fqns = [fqn_of[id(p)] for p in group["params"]]
-        if "split" not in group:
-            return {f: v for f, v in (base.get("split") or {}).items() if f in fqns}
-        shapes = [tuple(self._runtime.plan[f].matrix_shape) for f in fqns]
-        try:
-            split = resolve_split(group["split"], self._runtime.plan, fqns,
-                                  scope=f"this param group ({len(fqns)} matrices)")
-        except ValueError as exc:
-            raise ValueError(f"MatrixOptimizer.add_param_group (matrices {fqns[:4]}, (out, in) "
-                             f"shapes {shapes[:4]}): {exc}") from None
-        if self._matrix_cls is not None:
-            _check_torch_class(self._matrix_cls, split, [])
-        return split
 
     def state_dict(self) -> dict[str, Any]:
         """torch's state dict with every matrix's state on every rank, as matrix DTensors
@@ -419,7 +340,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
                 failures.record([self._fqn_of[id(p)] for p in owned], exc)
             return
         spec = self._spec
-        assert spec is not None  # one of the two is always set by _matrix_group
+        assert spec is not None  # one of the two is always set by build_matrix_group
         config = self._config(group, spec)
         hyper = {"lr": group["lr"], "weight_decay": group["weight_decay"],
                  "initial_lr": group["initial_lr"], "config": config}
@@ -560,54 +481,6 @@ def _freeze(value: Any) -> Any:
     return tuple(value) if isinstance(value, list) else value
 
 
-def _matrix_group(
-    optimizer: str | type[torch.optim.Optimizer],
-    matrices: list[nn.Parameter],
-    lr: float,
-    weight_decay: float,
-    kwargs: dict[str, Any],
-) -> tuple[MatrixOptimizerSpec | None, type[torch.optim.Optimizer] | None, dict[str, Any]]:
-    group: dict[str, Any] = {
-        "params": matrices, "kind": "matrix", "lr": lr, "initial_lr": lr,
-        "weight_decay": weight_decay,
-    }
-    if isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
-        group["optimizer"] = f"{optimizer.__module__}.{optimizer.__qualname__}"
-        group["matrix_kwargs"] = dict(kwargs)
-        return None, optimizer, group
-    if not isinstance(optimizer, str):
-        raise ValueError(
-            f"MatrixOptimizer.optimizer must be a registered name or a torch.optim.Optimizer "
-            f"class, got {optimizer!r}"
-        )
-    spec = get_matrix_optimizer(optimizer)
-    config = spec.make_config(kwargs)  # validates now, naming the bad field
-    group["optimizer"] = optimizer
-    group["matrix_kwargs"] = (
-        dataclasses.asdict(config) if dataclasses.is_dataclass(config) else dict(kwargs)
-    )
-    return spec, None, group
-
-
-def _check_torch_class(
-    cls: type[torch.optim.Optimizer], split: Mapping[str, Any], stored: list[str]
-) -> None:
-    """A torch.optim class steps stored tensors as they are: no blocks, stored orientation."""
-    if split:
-        raise NotImplementedError(
-            f"MatrixOptimizer(optimizer={cls.__name__}) cannot split {sorted(split)}: a "
-            "torch.optim class steps whole stored tensors; use a registered optimizer name "
-            "(e.g. 'muon') or drop split"
-        )
-    if stored:
-        logger.warning(
-            "matrixfsdp: %s steps %d matrices in their stored orientation, not (out, in): %s; "
-            "its shape rules (e.g. Muon's learning-rate scale) see the transpose. Use "
-            "optimizer='muon' (or another registered name) for the (out, in) orientation",
-            cls.__name__, len(stored), stored[:8],
-        )
-
-
 def _tp_steps(p: nn.Parameter) -> bool:
     """Does this owner-row TP shard take part in the TP step? Its gradient says; an empty TP
     shard (``torch.chunk`` sizes) without one follows ``requires_grad`` (see [Note: TP step
@@ -634,53 +507,3 @@ def _tp_entries(
     assert spec is not None or not row  # a torch.optim class was refused above
     owners = tp_step_owners([(mp.fqn, mp.tp) for mp in row], spec.name if spec else "")
     return {id(mp.sharded): (mp.fqn, mp.tp, owner) for mp, owner in zip(row, owners, strict=True)}
-
-
-def _placement(
-    offload_state: str | None,
-    matrices: list[nn.Parameter],
-    stacks: list[Any],
-    matrix_cls: type | None,
-    batch_same_shape: bool | None,
-) -> StatePlacement:
-    if offload_state not in (None, "cpu"):
-        raise ValueError(f"MatrixOptimizer.offload_state must be None or 'cpu', got {offload_state!r}")
-    if offload_state is not None:
-        if matrix_cls is not None:
-            raise NotImplementedError(
-                f"offload_state={offload_state!r} needs a registered step function; a "
-                f"torch.optim class ({matrix_cls.__name__}) keeps its own state on the device"
-            )
-        if stacks:
-            raise NotImplementedError(
-                f"offload_state={offload_state!r} does not cover the expert state of sharded "
-                f"stacks {[p.fqn for p in stacks]}; wrap with planner=LPTPlanner(stacks='whole')"
-            )
-        if batch_same_shape:
-            raise ValueError(
-                f"offload_state={offload_state!r} stages one matrix at a time; pass "
-                "batch_same_shape=False (or leave it None)"
-            )
-    device = matrices[0].device if matrices else torch.device("cpu")
-    return make_state_placement(offload_state, device)
-
-
-def _tail_inner(
-    tail_optimizer: str | type[torch.optim.Optimizer],
-    params: list[nn.Parameter],
-    lr: float,
-    weight_decay: float,
-    kwargs: Mapping[str, Any],
-) -> torch.optim.Optimizer | None:
-    if not params:
-        return None
-    if tail_optimizer == "adamw":
-        cls: type[torch.optim.Optimizer] = torch.optim.AdamW
-    elif isinstance(tail_optimizer, type) and issubclass(tail_optimizer, torch.optim.Optimizer):
-        cls = tail_optimizer
-    else:
-        raise ValueError(
-            f"MatrixOptimizer.tail_optimizer must be 'adamw' or a torch.optim.Optimizer class, "
-            f"got {tail_optimizer!r}"
-        )
-    return cls(params, lr=lr, weight_decay=weight_decay, **kwargs)
