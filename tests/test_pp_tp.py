@@ -13,12 +13,13 @@ parameters after 3 Muon steps (<= 1e-5) equal one process on the global batch
 CI: pp 2 x tp 2 at world 4 (dp 1) with 1F1B and a zero-bubble schedule (whose split backward
 exposes the TP matrices' local leaves, see [Note: zero-bubble schedules] in
 ``matrixfsdp/runtime/pipelining.py``). ``MATRIXFSDP_PP_TP8=1``: pp 2 x dp 2 x tp 2 at world 8
-with every schedule (issue 28: a sweep, not CI).
+with every schedule, and pp 2 x HSDP (2 replicas x 1 shard) x tp 2 (issue 28: a sweep, not CI).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import os
 
 import pytest
@@ -37,12 +38,14 @@ MLP_PLAN = {"up": ColwiseParallel(), "down": RowwiseParallel()}
 WORLD8_ENV = "MATRIXFSDP_PP_TP8"
 
 
-def pp_tp_meshes(pp: int, dp: int, tp: int) -> tuple[PPMeshes, DeviceMesh]:
-    """``PPMeshes`` over ``mesh["pp"]`` and ``mesh["dp"]`` of one (pp, dp, tp) mesh, and its
-    ``mesh["tp"]``."""
-    mesh = init_device_mesh("cpu", (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
-    pp_rank, dp_rank, _ = mesh.get_coordinate()
-    meshes = PPMeshes(mesh["pp"].get_group(), mesh["dp"], pp_rank, dp_rank, dp)
+def pp_tp_meshes(pp: int, dp: tuple[int, ...], tp: int) -> tuple[PPMeshes, DeviceMesh]:
+    """``PPMeshes`` over ``mesh["pp"]`` and the data-parallel dims of one (pp, *dp, tp) mesh
+    (``dp``: ``(n,)`` flat, ``(replicate, shard)`` HSDP), and its ``mesh["tp"]``."""
+    names = ("dp",) if len(dp) == 1 else ("replicate", "shard")
+    mesh = init_device_mesh("cpu", (pp, *dp, tp), mesh_dim_names=("pp", *names, "tp"))
+    pp_rank, *dp_coords, _ = mesh.get_coordinate()
+    dp_rank = dp_coords[0] if len(dp) == 1 else dp_coords[0] * dp[1] + dp_coords[1]
+    meshes = PPMeshes(mesh["pp"].get_group(), mesh[names], pp_rank, dp_rank, math.prod(dp))
     return meshes, mesh["tp"]
 
 
@@ -58,14 +61,17 @@ def _tp_steps(meshes: PPMeshes, tp: DeviceMesh, schedule: str, name: str = "muon
     stages: list[nn.Module] = []
     _steps(meshes, schedule, name, wrap_kwargs={"prepare": functools.partial(_parallelize, tp,
                                                                               stages)})
+    shape = tuple(meshes.dp_mesh.shape) if meshes.dp_mesh.ndim == 2 else (1, meshes.dp_size)
     for module in stages:  # wrapped in place: the stage matrices are matrixfsdp's TP matrices
+        assert tuple(mf.get_state(module).mesh_shape) == shape, mf.get_state(module).mesh_shape
         params = mf.get_state(module).params
         mlp = {f for f in params if f.endswith((".up.weight", ".down.weight"))}
         assert mlp and all(params[f].tp is not None for f in mlp), sorted(mlp)
         assert all(params[f].tp is None for f in set(params) - mlp), sorted(params)
 
 
-def _world(rank: int, world: int, pp: int, dp: int, tp: int, schedules: tuple[str, ...]) -> None:
+def _world(rank: int, world: int, pp: int, dp: tuple[int, ...], tp: int,
+           schedules: tuple[str, ...]) -> None:
     meshes, tp_mesh = pp_tp_meshes(pp, dp, tp)
     run_subtests(rank, {f"muon_{s}": functools.partial(_tp_steps, meshes, tp_mesh, s)
                         for s in schedules})
@@ -73,10 +79,18 @@ def _world(rank: int, world: int, pp: int, dp: int, tp: int, schedules: tuple[st
 
 def test_pp_tp_world4() -> None:
     """pp 2 x tp 2 (dp 1): 1F1B and InterleavedZeroBubble, 3 Muon steps == one process."""
-    run_world(4, _world, 2, 1, 2, ("Schedule1F1B", "ScheduleInterleavedZeroBubble"))
+    run_world(4, _world, 2, (1,), 2, ("Schedule1F1B", "ScheduleInterleavedZeroBubble"))
 
 
 @pytest.mark.skipif(os.environ.get(WORLD8_ENV) != "1", reason=f"{WORLD8_ENV}=1 runs it (world 8)")
 def test_pp_dp_tp_world8() -> None:
     """pp 2 x dp 2 x tp 2: every schedule, 3 Muon steps == one process."""
-    run_world(8, _world, 2, 2, 2, (*SINGLE, *MULTI, *ZERO_BUBBLE), timeout=3600.0)
+    run_world(8, _world, 2, (2,), 2, (*SINGLE, *MULTI, *ZERO_BUBBLE), timeout=3600.0)
+
+
+@pytest.mark.skipif(os.environ.get(WORLD8_ENV) != "1", reason=f"{WORLD8_ENV}=1 runs it (world 8)")
+def test_pp_hsdp_tp_world8() -> None:
+    """pp 2 x HSDP (2 replicas x 1 shard) x tp 2: GPipe and Interleaved1F1B, 3 Muon steps ==
+    one process (the replicas' all-reduce of TP matrix gradients)."""
+    run_world(8, _world, 2, (2, 1), 2, ("ScheduleGPipe", "ScheduleInterleaved1F1B"),
+              timeout=3600.0)
