@@ -252,6 +252,7 @@ class GroupBytes(NamedTuple):
     grads: int
     reduce_buffers: int
     all_reduce_buffer: int = 0  # HSDP: the owned segment's copy all-reduced over the replicas
+    accumulated: int = 0  # gradient sync off: the full-size gradients held between backwards
 
 
 @dataclass(frozen=True)
@@ -276,6 +277,12 @@ class MatrixMemory:
       rank's summed segment (values and flags; with ``replicate_presence_flags=False`` only
       the values cross replicas, from the same buffer) being all-reduced over its replicate
       group.
+    - ``accumulated``: with gradient sync off (``set_requires_gradient_sync(False)``, gradient
+      accumulation), the group's full-size gradients every rank holds from one backward to the
+      next until a synced backward reduces them, in the reduction dtype: fp32 accumulators under
+      ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``, else the leaves' own
+      gradients ([Note: accumulation in reduce_dtype] in ``runtime/group.py``; FSDP2 holds its
+      tail's the same way). Counted by ``transient(accumulating=True)`` for every group at once.
     ``owned`` is the bytes of the matrices this rank owns (each also gets a gradient of the same
     size and the optimizer's state).
     """
@@ -286,14 +293,21 @@ class MatrixMemory:
     def largest(self, field: str) -> int:
         return max((getattr(g, field) for g in self.groups.values()), default=0)
 
-    def transient(self, *, gathered: int = 2, reducing: int = 1) -> int:
+    def accumulated(self) -> int:
+        """Bytes every group's held gradients take while gradient sync is off."""
+        return sum(g.accumulated for g in self.groups.values())
+
+    def transient(self, *, gathered: int = 2, reducing: int = 1,
+                  accumulating: bool = False) -> int:
         """Matrix bytes beyond the owned ones at any moment of a step, bounded by the runtime's
         limits: ``gathered`` groups unsharded (one with its gather in flight), one group's
         gradients being computed, ``reducing`` groups' reduction buffers and (HSDP) one
-        all-reduce over the replicas."""
+        all-reduce over the replicas; with ``accumulating``, also every group's gradients held
+        between no-sync backwards (``accumulated``)."""
         return (gathered * self.largest("gathered") + self.largest("gather_buffers")
                 + self.largest("grads") + reducing * self.largest("reduce_buffers")
-                + self.largest("all_reduce_buffer"))
+                + self.largest("all_reduce_buffer")
+                + (self.accumulated() if accumulating else 0))
 
 
 def matrix_memory(plan: Plan, rank: int, *, collectives: str = "auto", gloo: bool = False,
@@ -332,6 +346,7 @@ def matrix_memory(plan: Plan, rank: int, *, collectives: str = "auto", gloo: boo
         recv = copies * (own + counts[rank]) * red  # the padded reduction is in place
         flat = (total + sum(counts)) * red
         all_reduce = (own + counts[rank]) * red if plan.replicate_size > 1 else 0
-        groups[name] = GroupBytes(gathered, gather_buffers, total * size, flat + recv, all_reduce)
+        groups[name] = GroupBytes(gathered, gather_buffers, total * size, flat + recv, all_reduce,
+                                  total * red)
     owned = sum(m.nbytes for m in plan.owned_by(rank) if m.role == "matrix")
     return MatrixMemory(owned, groups)

@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 import matrixfsdp as mf
@@ -431,6 +432,42 @@ def test_memory_world(world: int) -> None:
 
 
 # -- the tracker ----------------------------------------------------------------------------------
+# -- gradient accumulation: the held gradients are in the plan's bytes ------------------------
+def _accumulated_bytes(rank: int, world: int) -> None:
+    """``MatrixMemory.accumulated``: the gradients each rank holds between no-sync backwards
+    (fp32 accumulators under bf16 compute with ``reduce_dtype=fp32``; the leaves' own without
+    mixed precision), measured on the runtime's matrices and by the live-bytes tracker."""
+    policies = {"bf16": (MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                              reduce_dtype=torch.float32), 2, 4),
+                "fp32": (None, 4, 4)}
+    for name, (policy, compute, reduce) in policies.items():
+        torch.manual_seed(0)
+        model = TinyTransformer(dim=32, hidden=64, layers=2)
+        mf.fully_shard_matrix(model, **({"mp_policy": policy} if policy else {}))
+        state = mf.get_state(model)
+        mm = matrix_memory(state.plan, rank, gloo=True, reduce_itemsize=reduce,
+                           compute_itemsize=compute)
+        mf.set_requires_gradient_sync(model, False)
+        tracker = LiveBytesTracker()
+        with tracker:
+            lm_loss(model, local_batch(global_batch(0), rank, world)).backward()
+        held = sum(_local_bytes(mp.accumulated_grad if mp.accumulated_grad is not None
+                                else mp.unsharded.grad) for mp in state.params.values())
+        matrices = sum(mp.unsharded.numel() for mp in state.params.values())
+        unused = sum(mp.unsharded.numel() for f, mp in state.params.items() if ".unused." in f)
+        # every matrix that got a gradient, full size, in the reduce dtype (``unused`` get none:
+        # the plan's figure assumes every matrix trainable and used)
+        assert held == (matrices - unused) * reduce > 0, name
+        assert mm.accumulated() == matrices * reduce, (name, mm.accumulated(), held)
+        assert mm.transient(accumulating=True) == mm.transient() + mm.accumulated()
+        # the tracker sees them too: what outlives the backward is at least the held gradients
+        assert tracker.current >= held, (name, tracker.current, held)
+
+
+def test_accumulated_gradients_counted() -> None:
+    run_world(2, _accumulated_bytes)
+
+
 def test_live_bytes_tracker_counts_allocations_frees_and_resizes() -> None:
     w = torch.randn(64, 32, requires_grad=True)
     tracker = LiveBytesTracker().track([w])
