@@ -1,7 +1,7 @@
 """torch's ``flatten_optimizer_state_dict=True`` on a ``MatrixOptimizer`` (see [Note: flat
 optimizer state]): at world 2 on gloo, ``get_optimizer_state_dict`` / ``set_optimizer_state_dict``
 with the flag round-trip the state exactly (in memory and through DCP) and training continues bit
-for bit; where the names of a non-owned matrix's state cannot be known (a ``torch.optim`` class
+for bit, also after torch's zero-gradient, lr=0 init step ran on a loaded model; where the names of a non-owned matrix's state cannot be known (a ``torch.optim`` class
 steps the matrices), the load raises the same ``ValueError`` on every rank instead of hanging.
 """
 
@@ -26,6 +26,9 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 
 import matrixfsdp as mf
+from matrixfsdp.optim import get_matrix_optimizer
+from matrixfsdp.optim.layouts import MatrixLayout
+from matrixfsdp.optim.owner_step import init_owned_state, owned_blocks, step_owned
 
 from .checks import FREE_RUNNING_KWARGS, assert_close_dicts, full_optimizer_state, full_values
 from .dist_utils import device_type, run_subtests, run_world
@@ -80,11 +83,11 @@ def _in_memory(rank: int, world: int, name: str, split: dict | None) -> None:
     osd = get_optimizer_state_dict(model, opt, options=FLAT)
     assert all(isinstance(k, str) and k.startswith(("state.", "param_groups.")) for k in osd)
     resumed, resumed_opt = _build(1, name, lr=0.5, split=split)
-    # A copy: in one process the dict holds ``opt``'s own tail state and ``step`` tensors. The
-    # optimizer first: torch's zero-gradient init step turns Shampoo's parameters NaN (the
-    # relative inverse root of an all-zero factor), which the model load then overwrites.
-    set_optimizer_state_dict(resumed, resumed_opt, copy.deepcopy(osd), options=FLAT)
+    # The model first: torch's zero-gradient, lr=0 init step (in set_optimizer_state_dict) must
+    # then leave it as loaded (it made Shampoo's parameters NaN). A copy of the optimizer's
+    # dict: in one process it holds ``opt``'s own tail state and ``step`` tensors.
     set_model_state_dict(resumed, get_model_state_dict(model))
+    set_optimizer_state_dict(resumed, resumed_opt, copy.deepcopy(osd), options=FLAT)
     _resumes_exactly(rank, world, model, opt, resumed, resumed_opt, f"{name} flat in memory")
 
 
@@ -128,3 +131,24 @@ def _world(rank: int, world: int, root: str) -> None:
 
 def test_flat_optimizer_state_dict(tmp_path: Path) -> None:
     run_world(2, _world, str(tmp_path), timeout=300.0)
+
+
+@pytest.mark.parametrize("root_dtype", ["float32", "float64"])
+def test_zero_gradient_step_keeps_shampoo_parameter_and_state(root_dtype: str) -> None:
+    """torch's init step (zero gradients, lr=0) on Shampoo changes no parameter and no state:
+    the relative inverse root of an all-zero factor is the identity (it was inf in fp64, and the
+    update NaN)."""
+    spec = get_matrix_optimizer("shampoo")
+    config = spec.make_config({"root_dtype": root_dtype})
+    torch.manual_seed(0)
+    param = torch.randn(8, 12)
+    before, state = param.clone(), init_owned_state(param, spec, config)
+    initial = {k: v.clone() for k, v in state.items()}
+    state["step"] += 1
+    grad = torch.zeros_like(param)
+    step_owned(spec, owned_blocks(param, state, MatrixLayout(), grad),
+               {"lr": 0.0, "weight_decay": 0.1, "initial_lr": 0.02, "config": config})
+    assert torch.equal(param, before)
+    for key, value in initial.items():
+        if key != "step":
+            assert torch.equal(state[key], value), key

@@ -76,7 +76,10 @@ def inverse_root_eigh(
     (round-off) eigenvalues are clamped to 0. ``A`` is normalised by
     ``c = tr(A)/d`` (at least ``eps`` in the absolute form, so a zero ``A``
     gives ``eps^{-1/root} I``) before the eigensolve and the scale is restored
-    afterwards. Computed in ``dtype``; returned in fp32.
+    afterwards. Computed in ``dtype``; returned in fp32. In the relative forms an all-zero ``A``
+    (a factor that has seen only zero gradients, e.g. torch's zero-gradient, lr=0 init step)
+    has no scale to be relative to: its root is the identity (no preconditioning), not the
+    ``tiny^{-1/root}`` that overflowed to inf in fp64 and made the update NaN.
     """
     d = A.shape[-1]
     X = A.to(dtype)
@@ -97,4 +100,8 @@ def inverse_root_eigh(
         raise ValueError(f"relative_to must be 'max', 'mean' or None, got {relative_to!r}")
     powered = (evals + reg.clamp_min(tiny)).pow(-1.0 / root)
     out = (evecs * powered.unsqueeze(-2)) @ evecs.mT
-    return out.mul_(c.pow(-1.0 / root)[..., None, None]).to(torch.float32)
+    out = out.mul_(c.pow(-1.0 / root)[..., None, None])
+    if relative_to is not None:
+        zero = (X == 0).flatten(-2).all(-1)[..., None, None]
+        out = torch.where(zero, torch.eye(d, dtype=out.dtype, device=out.device), out)
+    return out.to(torch.float32)
