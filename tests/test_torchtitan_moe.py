@@ -339,3 +339,13 @@ def test_efsdp2_ep2() -> None:
 def test_hsdp_ep2() -> None:
     """world 4 = dp_replicate 2 x fsdp 2, the experts (dp_replicate 2, efsdp 1) x ep 2."""
     run_world(4, _world, 2)
+
+
+def test_benchmark_smoke() -> None:
+    """``benchmarks/titan_moe_step.py`` runs, and torchtitan's own FSDP2-EP path gives the loss
+    ours gives (same parameters, same batch)."""
+    from benchmarks.titan_moe_step import measure
+
+    out = measure(2, reps=1, warmup=0, dim=64, layers=2, rows=4, seq=17)
+    assert out["loss_rel_diff"] <= 1e-6, out["loss"]
+    assert out["median_s"]["matrixfsdp"] > 0 and out["median_s"]["fsdp2"] > 0
