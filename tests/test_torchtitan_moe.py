@@ -18,13 +18,16 @@ stand-in within 1e-6 after every backward, parameters within 1e-5 and the load-b
 equal after every step; every expert stack is a matrix owned over ``efsdp``; the container's
 step issues no collective but torchtitan's bias hook's all-reduce, the matrix optimizer none.
 Meta-device init as torchtitan's trainer does it (``_meta_init``) at the first two shapes;
-torchtitan's selective and full activation checkpointing at ep 2.
+torchtitan's selective and full activation checkpointing at ep 2. Opt-in
+(``MATRIXFSDP_TITAN_DEBUGMODEL=1``, minutes): torchtitan's registry ``debugmodel`` itself at ep 2.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
+import logging
+import os
 
 import pytest
 import torch
@@ -93,11 +96,13 @@ def _parallelize(model: nn.Module, parallelism, dims, ac=None) -> nn.Module:
                           compile_config=CompileConfig(), ac_config=ac, dump_folder="/tmp")
 
 
-def _pair(world: int, fp32: bool = True, replicate: int = 1, ac=None):
+def _pair(world: int, fp32: bool = True, replicate: int = 1, ac=None, config=tiny_moe_config):
+    """The one-process model and the wrapped one, from one seed; ``config()`` builds the
+    model config (toy size, or torchtitan's registry ``debugmodel``)."""
     parallelism, dims = cpu_parallel_dims(world, dp_replicate=replicate,
                                           dp_shard=world // replicate, ep=2)
-    ref = build_moe(tiny_moe_config(), fp32=fp32)
-    model = build_moe(sharded_config(tiny_moe_config(), parallelism), fp32=fp32)
+    ref = build_moe(config(), fp32=fp32)
+    model = build_moe(sharded_config(config(), parallelism), fp32=fp32)
     _parallelize(model, parallelism, dims, ac)
     return ref, model, dims
 
@@ -160,7 +165,9 @@ def _container(model: nn.Module, dims) -> MatrixOptimizersContainer:
 
 
 def _norm_checks(ref: nn.Module, model: nn.Module, step: int) -> None:
-    want = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()]).double()
+    # in float64: torch's fp32 CPU norm of the debugmodel's lm_head gradient (2048 x 256)
+    # errs 2e-4 relative (get_total_norm: 6e-5 off the whole norm)
+    want = sum(p.grad.double().pow(2).sum() for p in ref.parameters()).sqrt()
     got = mf.global_grad_norm(model).double()
     assert abs(got - want) <= NORM_RTOL * want, f"step {step}: global norm {got} != {want}"
     clip = matrix_clip_grad_norm([model])(list(model.parameters()), 1e9, foreach=True,
@@ -192,8 +199,9 @@ def _buffers(model: nn.Module, every: bool = False) -> dict[str, torch.Tensor]:
 
 
 def _train(world: int, steps: int = 3, fp32: bool = True, pair=None, replicate: int = 1,
-           ac=None) -> list[float]:
-    ref, model, dims = _pair(world, fp32, replicate, ac) if pair is None else pair
+           ac=None, config=tiny_moe_config) -> list[float]:
+    ref, model, dims = _pair(world, fp32, replicate, ac, config) if pair is None else pair
+    moe_layers = sum(1 for block in ref.layers.values() if block.moe_enabled)
     wrapped = any("_checkpoint_wrapped_module" in n for n, _ in model.named_parameters())
     assert wrapped == (ac is not None), "activation checkpointing was not applied"
     rank = dims.get_mesh("batch").get_local_rank()  # the data-parallel rank
@@ -224,7 +232,7 @@ def _train(world: int, steps: int = 3, fp32: bool = True, pair=None, replicate: 
         assert _worst(moved)[0] <= DISPLACEMENT_RTOL, f"step {step + 1}: {_worst(moved)}"
         assert worst <= PARAM_RTOL, f"params after step {step + 1}: {worst:.2e} at {fqn}"
         got, want = _buffers(model), _buffers(ref)
-        assert got.keys() == want.keys() and len(want) == 2, got.keys()
+        assert got.keys() == want.keys() and len(want) == moe_layers, got.keys()
         for name, value in want.items():
             assert torch.equal(got[name], value), f"{name} after step {step + 1}"
         assert any(v.abs().sum() > 0 for v in want.values())  # the bias did move
@@ -349,3 +357,19 @@ def test_benchmark_smoke() -> None:
     out = measure(2, reps=1, warmup=0, dim=64, layers=2, rows=4, seq=17)
     assert out["loss_rel_diff"] <= 1e-6, out["loss"]
     assert out["median_s"]["matrixfsdp"] > 0 and out["median_s"]["fsdp2"] > 0
+
+
+@pytest.mark.skipif(not os.environ.get("MATRIXFSDP_TITAN_DEBUGMODEL"),
+                    reason="torchtitan's full DeepSeek-V3 debugmodel: MATRIXFSDP_TITAN_DEBUGMODEL=1")
+def test_debugmodel_ep2() -> None:
+    """torchtitan's registry ``debugmodel`` itself (6 layers, (8, 256, 256) expert stacks) at
+    ep 2, 3 steps against one process (opt-in: 96 s on a loaded CPU; measured parameter errors
+    2.6e-6 / 4.6e-6 / 6.5e-6)."""
+    run_world(2, _debugmodel)
+
+
+def _debugmodel(rank: int, world: int) -> None:
+    from torchtitan.models.deepseek_v3 import model_registry
+
+    errors = _train(world, config=lambda: model_registry("debugmodel").model)
+    logging.getLogger(__name__).warning("debugmodel at ep 2: parameter errors %s", errors)
