@@ -21,8 +21,9 @@ def pytest_configure(config: pytest.Config) -> None:
 
 # A differential sweep (tests/test_differential.py) is bounded by its worlds' own timeout, which
 # grows with the seeds a world runs; pytest-timeout's fixed one would cut it short.
+# The pipeline sweep (test_differential_pp) too: 240 seeds ran past the 900 s limit.
 SWEEP_ENV = ("MATRIXFSDP_DIFF_SEEDS", "MATRIXFSDP_DIFF_TP_SEEDS", "MATRIXFSDP_DIFF_HSDP_TP_SEEDS",
-             "MATRIXFSDP_DIFF_SEED")
+             "MATRIXFSDP_DIFF_EP_SEEDS", "MATRIXFSDP_DIFF_PP_SEEDS", "MATRIXFSDP_DIFF_SEED")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -30,7 +31,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     differential sweep runs without pytest-timeout's limit."""
     if any(os.environ.get(name, "").strip() for name in SWEEP_ENV):
         for item in items:
-            if item.name.startswith("test_differential["):
+            if item.name.startswith("test_differential[") or item.name == "test_differential_pp":
                 item.add_marker(pytest.mark.timeout(0))
     if torch.cuda.is_available():
         return
