@@ -81,10 +81,12 @@ from .titan_moe import (
 # 7.8e-6; step-1 gradients 2.3e-7 / 2.4e-7. The worst is always a router gate: its gradient is ill-conditioned (8 rows,
 # condition number ~8e6), and Muon's Newton–Schulz (slope 3.44 per iteration at small singular
 # values) amplifies fp32 noise there: a one-process step whose gradient is perturbed by 3e-7
-# relative noise moves the gate by 4-5e-6 (every other matrix: <= 2.2e-6).
+# relative noise moves the gate by 4-5e-6 (every other matrix: <= 2.2e-6). So the gates get
+# 3e-5, the rest 1e-5: a lost token or a wrong divisor moves a parameter by 1e-3 or more.
 GRAD_RTOL = 1e-6
 NORM_RTOL = 1e-6
 PARAM_RTOL = 1e-5
+GATE_PARAM_RTOL = 3e-5
 DISPLACEMENT_RTOL = 1e-4  # |p - p_ref| / |p_ref - p_0|, the held-out check's measure
 FP32 = TrainingConfig(mixed_precision_param="float32")
 ROWS, VOCAB = 8, 256
@@ -124,6 +126,12 @@ def _relative(got: dict, want: dict, start: dict | None = None) -> dict[str, flo
 def _worst(errors: dict[str, float]) -> tuple[float, str]:
     fqn = max(errors, key=errors.get)
     return errors[fqn], fqn
+
+
+def _param_budget(errors: dict[str, float]) -> tuple[float, str]:
+    """The largest parameter error as a fraction of its tolerance (the gates': see above)."""
+    return _worst({f: e / (GATE_PARAM_RTOL if ".router.gate." in f else PARAM_RTOL)
+                   for f, e in errors.items()})
 
 
 def _matrices(ref: nn.Module) -> set[str]:
@@ -226,11 +234,11 @@ def _train(world: int, steps: int = 3, fp32: bool = True, pair=None, replicate: 
         names = _step_collectives(optimizers)
         assert names == ["gloo:all_reduce"], names  # torchtitan's bias hook, over 'loss'
         optimizers.zero_grad()
-        worst, fqn = _worst(_relative(full_values(model), reference_values(ref)))
-        errors.append(worst)
+        budget, fqn = _param_budget(_relative(full_values(model), reference_values(ref)))
+        errors.append(budget)
         moved = _relative(full_values(model), reference_values(ref), start)
         assert _worst(moved)[0] <= DISPLACEMENT_RTOL, f"step {step + 1}: {_worst(moved)}"
-        assert worst <= PARAM_RTOL, f"params after step {step + 1}: {worst:.2e} at {fqn}"
+        assert budget <= 1.0, f"params after step {step + 1}: {budget:.2f} of the tolerance at {fqn}"
         got, want = _buffers(model), _buffers(ref)
         assert got.keys() == want.keys() and len(want) == moe_layers, got.keys()
         for name, value in want.items():
@@ -290,7 +298,7 @@ def _meta_init(world: int) -> None:
     missing, unexpected = ref.load_state_dict(values, strict=False)  # buffers: checked equal
     assert not unexpected and all(k.endswith("expert_bias_E") for k in missing), missing
     errors = _train(world, pair=(ref, model, dims))
-    assert max(errors) <= PARAM_RTOL, errors
+    assert max(errors) <= 1.0, errors  # fractions of the parameter tolerances
 
 
 def _bf16_experts(world: int) -> float:
@@ -372,4 +380,4 @@ def _debugmodel(rank: int, world: int) -> None:
     from torchtitan.models.deepseek_v3 import model_registry
 
     errors = _train(world, config=lambda: model_registry("debugmodel").model)
-    logging.getLogger(__name__).warning("debugmodel at ep 2: parameter errors %s", errors)
+    logging.getLogger(__name__).warning("debugmodel at ep 2: parameter errors (fractions of their tolerances) %s", errors)
