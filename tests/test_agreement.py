@@ -229,3 +229,24 @@ def test_eigh_that_does_not_converge_is_retried(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(torch.linalg, "eigh", real)
     torch.testing.assert_close(root, _linalg.inverse_root_eigh(a, 4, eps=1e-6), rtol=1e-4,
                                atol=1e-5)
+
+
+def test_all_finite_is_exact_and_allocates_no_mask() -> None:
+    """NaN, inf and -inf anywhere are found in every dtype, without a tensor of the gradient's
+    size (an ``isfinite`` mask raised the optimizer phase's peak by 2.5 MiB on a 48 MiB model)."""
+    from matrixfsdp.memory import LiveBytesTracker
+    from matrixfsdp.optim.agreement import all_finite
+
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        assert bool(all_finite(torch.randn(64, 128).to(dtype)))
+        assert bool(all_finite(torch.empty(0, 8, dtype=dtype)))
+        for value in (float("nan"), float("inf"), -float("inf")):
+            for where in ((0, 0), (63, 127), (17, 5)):
+                grad = torch.randn(64, 128).to(dtype)
+                grad[where] = value
+                assert not bool(all_finite(grad)), (dtype, value, where)
+    grad = torch.randn(512, 1024)
+    tracker = LiveBytesTracker()
+    with tracker:
+        all_finite(grad)
+    assert tracker.peak < 1024, f"all_finite allocated {tracker.peak} bytes"
