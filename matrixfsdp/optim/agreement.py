@@ -35,7 +35,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["MatrixStepError", "StepFailures", "agree_on_step", "finite_flags", "probe_torch_class"]
+__all__ = [
+    "MatrixStepError", "StepFailures", "agree_on_step", "all_finite", "finite_flags", "is_all_zero",
+    "probe_torch_class",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +102,14 @@ def all_finite(grad: torch.Tensor) -> torch.Tensor:
         return torch.ones((), dtype=torch.bool, device=grad.device)
     low, high = torch.aminmax(grad)
     return torch.isfinite(low) & torch.isfinite(high)
+
+
+def is_all_zero(grad: torch.Tensor) -> bool:
+    """Is every entry of ``grad`` zero? (One host read; no tensor of its size is made.)"""
+    if grad.numel() == 0:
+        return True
+    low, high = torch.aminmax(grad)
+    return bool((low == 0) & (high == 0))
 
 
 def finite_flags(grads: Sequence[torch.Tensor]) -> list[bool]:

@@ -32,7 +32,7 @@ from ..api import get_state, global_grad_norm
 from ..collectives import Phase, comm_phase
 from ..nonfinite import discard_global_norm, take_global_norm
 from ..runtime.optim_state_view import install_optimizer_state_view
-from .agreement import StepFailures, agree_on_step, finite_flags, probe_torch_class
+from .agreement import StepFailures, agree_on_step, finite_flags, is_all_zero, probe_torch_class
 from .flat_state import MatrixState, owner_state_names
 from .layouts import (
     MatrixLayout,
@@ -327,6 +327,10 @@ class MatrixOptimizer(MatrixParamGroups, torch.optim.Optimizer):
         tp_owned = [p for p in group["params"] if id(p) in self._tp and _tp_steps(p)]
         if not owned and not tp_owned:
             return
+        if not tp_owned and self._only_materializes(group, owned):
+            self._owned_items(owned, self._spec, self._config(group, self._spec),
+                              self._layouts(group), {}, count_step=False)
+            return
         if failures is not None:
             failures.watch([self._fqn_of[id(p)] for p in owned], [local(p.grad) for p in owned])
         elif not self.skip_nonfinite:  # skip_nonfinite=True: the global norm is finite already
@@ -396,9 +400,20 @@ class MatrixOptimizer(MatrixParamGroups, torch.optim.Optimizer):
                 failures.record(fqns, exc, [item.grad for item in batch], batch[0].step)
         write_back_rows(items)  # blocks of a row layout were stepped as gathered copies
 
+    def _only_materializes(self, group: dict[str, Any], owned: list[nn.Parameter]) -> bool:
+        """A zero-gradient, lr=0 first step (torchtitan's ``init_optim_state``, which makes
+        state for its checkpointer): create each matrix's fresh state and step nothing, so
+        training after it is training without it. The check costs one reduction per matrix, on
+        lr=0 steps only; torch's own state for the tail steps as torch.optim does."""
+        if self._matrix_cls is not None or float(group["lr"]) != 0.0 or not owned:
+            return False
+        if any(self.state.get(p) for p in owned):
+            return False
+        return all(is_all_zero(local(p.grad)) for p in owned)
+
     def _owned_items(
         self, owned: list[nn.Parameter], spec: MatrixOptimizerSpec, config: Any,
-        layouts: dict[int, MatrixLayout], fqn_of: dict[int, str],
+        layouts: dict[int, MatrixLayout], fqn_of: dict[int, str], count_step: bool = True,
     ) -> list[OwnedMatrix]:
         items = []
         for p in owned:
@@ -406,6 +421,8 @@ class MatrixOptimizer(MatrixParamGroups, torch.optim.Optimizer):
             if not state:
                 state.update(init_owned_state(p, spec, config, layouts[id(p)]))
             self._placement.adopt(state)
+            if not count_step:
+                continue
             state["step"] += 1
             if local(p).numel() == 0:
                 continue  # a rank with no experts of this stack: nothing to compute
