@@ -405,7 +405,10 @@ class MatrixOptimizer(MatrixParamGroups, torch.optim.Optimizer):
         state for its checkpointer): create each matrix's fresh state and step nothing, so
         training after it is training without it. The check costs one reduction per matrix, on
         lr=0 steps only; torch's own state for the tail steps as torch.optim does."""
-        if self._matrix_cls is not None or float(group["lr"]) != 0.0 or not owned:
+        lr = group["lr"]
+        if isinstance(lr, torch.Tensor) and lr.device.type != "cpu":
+            return False  # reading it would sync the device every step; torchtitan's lr=0 is a host tensor
+        if self._matrix_cls is not None or not owned or float(lr) != 0.0:
             return False
         if any(self.state.get(p) for p in owned):
             return False
