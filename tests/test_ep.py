@@ -25,6 +25,7 @@ from .checks import (
     FREE_RUNNING_KWARGS,
     assert_close_dicts,
     count_collectives,
+    float64_rtols,
     full_optimizer_state,
     full_values,
     reference_values,
@@ -77,7 +78,8 @@ def _sgd(rank: int, world: int, layout: str) -> None:
         _reference_backward(ref, tokens, world)
         lm_loss(model, local_batch(tokens, rank, world)).backward()
         if step == 0:
-            assert_close_dicts(full_values(model, "grad"), reference_values(ref, "grad"), 1e-6,
+            rtols = float64_rtols(ref, lambda m, t=tokens: _reference_backward(m, t, world))
+            assert_close_dicts(full_values(model, "grad"), reference_values(ref, "grad"), rtols,
                                "grad")
             want = math.sqrt(sum(p.grad.double().pow(2).sum().item() for p in ref.parameters()))
             got = mf.global_grad_norm(model).item()
@@ -281,7 +283,8 @@ def _dense_mesh_forms(rank: int, world: int) -> None:
         tokens = global_batch(0)
         _reference_backward(ref, tokens, world)
         lm_loss(model, local_batch(tokens, rank, world)).backward()
-        assert_close_dicts(full_values(model, "grad"), reference_values(ref, "grad"), 1e-6, form)
+        rtols = float64_rtols(ref, lambda m, t=tokens: _reference_backward(m, t, world))
+        assert_close_dicts(full_values(model, "grad"), reference_values(ref, "grad"), rtols, form)
 
 
 def _divide_factor(rank: int, world: int) -> None:

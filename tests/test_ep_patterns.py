@@ -21,7 +21,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import matrixfsdp as mf
 
-from .checks import assert_close_dicts, full_values, reference_values
+from .checks import assert_close_dicts, float64_rtols, full_values, reference_values
 from .dist_utils import run_subtests, run_world
 from .ep_models import TinyEPMoE, distribute_experts
 from .models import global_batch, lm_loss, local_batch
@@ -82,7 +82,8 @@ def _run(rank: int, layout: str, name: str) -> None:
                 freeze(m, step)
             run(m, tokens, ranks, is_ep)
         if step == 0:
-            assert_close_dicts(full_values(model, "grad"), reference_values(ref, "grad"), 1e-6,
+            rtols = float64_rtols(ref, lambda m, t=tokens: run(m, t, list(range(WORLD)), False))
+            assert_close_dicts(full_values(model, "grad"), reference_values(ref, "grad"), rtols,
                                f"{name} grad")
         for opt in opts:
             opt.step()
