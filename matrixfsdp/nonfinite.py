@@ -11,11 +11,12 @@
   all-reduce in total. Without a recorded norm the optimizer all-reduces one fp32 scalar itself,
   counted as ``all_reduce_scalar`` in the optimizer phase. The matrices' own step still issues
   no collective: this scalar is the only optimizer-phase communication ``skip_nonfinite`` adds.
-- A record is used by one ``step()`` at most; ``step()`` and ``zero_grad()`` drop it. Which norm
-  a step uses depends only on the calls made (the same on every rank), never on local data, so
-  ranks cannot disagree on whether to communicate. Gradients changed after clipping (another
-  backward, in-place edits) are not re-checked; that is detected through the gradients' version
-  counters and logged as a warning.
+- A record is used by one ``step()`` at most; ``step()``, ``zero_grad()`` and the end of every
+  backward through the model drop it (another backward changes the gradients, so the next step
+  all-reduces a fresh norm). Which norm a step uses depends only on the calls made (the same on
+  every rank), never on local data, so ranks cannot disagree on whether to communicate. In-place
+  edits of gradients after clipping are not re-checked; they are detected through the gradients'
+  version counters and logged as a warning.
 - The decision is read on the host (``bool(torch.isfinite(norm))``), once per step: the one
   host synchronisation ``skip_nonfinite`` adds to ``step()``, which otherwise has none (step
   counters are host tensors, as in torch.optim); see [Note: streams] for backward's one.

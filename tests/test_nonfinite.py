@@ -109,6 +109,21 @@ def _finite_steps_cost_one_scalar(rank: int, world: int) -> None:
     assert not opt.last_step_skipped and opt.skipped_steps == 0
 
 
+def _later_backward_invalidates_clip_norm(rank: int, world: int) -> None:
+    """A finite norm recorded by clip_grad_norm_ is not reused after another backward: a NaN that
+    the second backward brings is seen, and the step is skipped on every rank."""
+    model, opt = _model_and_opt()
+    tokens = local_batch(global_batch(0), rank, world)
+    lm_loss(model, tokens).backward()
+    assert torch.isfinite(mf.clip_grad_norm_(model, 1.0))
+    loss = lm_loss(model, tokens)
+    (loss * (float("nan") if rank == world - 1 else 1.0)).backward()  # accumulates a NaN
+    before = _snapshot(model, opt)
+    opt.step()
+    assert opt.last_step_skipped and opt.skipped_steps == 1
+    _assert_same(_snapshot(model, opt), before, "step after a NaN backward")
+
+
 def _world(rank: int, world: int) -> None:
     cases = {
         "inf_in_owned_matrix_clipped": ("matrix", float("inf"), True),
@@ -117,6 +132,8 @@ def _world(rank: int, world: int) -> None:
     }
     subtests = {name: functools.partial(_skip_is_consistent_and_traceless, rank, world, *args)
                 for name, args in cases.items()}
+    subtests["later_backward_invalidates_clip_norm"] = functools.partial(
+        _later_backward_invalidates_clip_norm, rank, world)
     subtests["finite_steps_cost_one_scalar"] = functools.partial(
         _finite_steps_cost_one_scalar, rank, world)
     run_subtests(rank, subtests)

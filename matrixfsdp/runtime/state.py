@@ -83,6 +83,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..collectives import OwnerComm, Phase, comm_phase
+from ..nonfinite import discard_global_norm
 from ..planner import Plan
 from .group import GradHandoff, GroupState, MatrixGroup, land_grads
 from .matrix_param import MatrixParam
@@ -448,6 +449,7 @@ class MatrixFSDPState:
             Variable._execution_engine.queue_callback(self._final_callback)
 
     def _final_callback(self) -> None:
+        discard_global_norm(self)  # a clip norm recorded before this backward is stale
         try:
             with comm_phase(Phase.BACKWARD):
                 for group in self.groups:  # registration order: the same on every rank
