@@ -18,11 +18,13 @@ with every schedule, and pp 2 x HSDP (2 replicas x 1 shard) x tp 2 (issue 28: a 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
 
 import pytest
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -31,7 +33,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 import matrixfsdp as mf
 
 from .dist_utils import run_subtests, run_world
-from .pp_models import MULTI, SINGLE, ZERO_BUBBLE, PPMeshes
+from .models import global_batch, local_batch
+from .pp_models import MULTI, SINGLE, ZERO_BUBBLE, PPMeshes, PPTransformer, build_pipeline
 from .test_pp import _steps
 
 MLP_PLAN = {"up": ColwiseParallel(), "down": RowwiseParallel()}
@@ -80,6 +83,35 @@ def _world(rank: int, world: int, pp: int, dp: tuple[int, ...], tp: int,
 def test_pp_tp_world4() -> None:
     """pp 2 x tp 2 (dp 1): 1F1B and InterleavedZeroBubble, 3 Muon steps == one process."""
     run_world(4, _world, 2, (1,), 2, ("Schedule1F1B", "ScheduleInterleavedZeroBubble"))
+
+
+def _one_stage_fails(rank: int, world: int) -> None:
+    """agree_on_error under pp 2 x tp 2: rank 0's owner-local step raises; the ranks of its stage
+    (tp peers) all raise the same MatrixStepError at once, the other stage's ranks step on."""
+    meshes, tp_mesh = pp_tp_meshes(2, (1,), 2)
+    torch.manual_seed(0)
+    pipe = build_pipeline(PPTransformer(), meshes, "Schedule1F1B", 4,
+                          prepare=functools.partial(_parallelize, tp_mesh, []))
+    opts = [mf.MatrixOptimizer(m, "muon", lr=0.02, agree_on_error=True) for m in pipe.modules]
+    pipe.step(local_batch(global_batch(0, batch=16), meshes.dp_rank, meshes.dp_size))
+    if rank == 0:  # an unforeseen owner-local failure (a bug, an out-of-memory)
+        def broken(*args: object, **kwargs: object) -> None:
+            raise RuntimeError("simulated owner-local failure")
+        opts[0]._spec = dataclasses.replace(opts[0]._spec, step_fn=broken)
+    outcome = "stepped"
+    try:
+        for opt in opts:
+            opt.step()
+    except mf.MatrixStepError as exc:
+        assert "simulated owner-local failure" in str(exc) and "rank 0:" in str(exc), exc
+        outcome = "raised"
+    assert outcome == ("raised" if meshes.pp_rank == 0 else "stepped"), (rank, outcome)
+
+
+def test_pp_tp_agreement_stays_in_the_failing_stage() -> None:
+    """The failure's messages are exchanged over the stage's dp x tp ranks only: the other
+    stage never enters that exchange, and nobody waits for a timeout."""
+    run_world(4, _one_stage_fails, timeout=120.0)
 
 
 @pytest.mark.skipif(os.environ.get(WORLD8_ENV) != "1", reason=f"{WORLD8_ENV}=1 runs it (world 8)")

@@ -163,9 +163,11 @@ def agree_on_step(runtime: Any, failures: StepFailures) -> None:
     if not int(flag.item()):
         return
     failures.describe_nonfinite()
-    mine = (dist.get_rank(), failures.messages)
-    every: list[Any] = [None] * dist.get_world_size(group if tp_group is None else None)
-    dist.all_gather_object(every, mine, group=group if tp_group is None else None)
+    # Over the ranks that reduced the flag (this model's dp x tp ranks), never the whole world:
+    # under pipelining the other stages' ranks do not enter this exchange.
+    every = _gather_messages([(dist.get_rank(), failures.messages)], group)
+    if tp_group is not None:
+        every = [entry for row in _gather_messages([every], tp_group) for entry in row]
     lines = [f"rank {rank}: {m}" for rank, msgs in every for m in msgs]
     ranks = sorted({rank for rank, msgs in every if msgs})
     error = MatrixStepError(
@@ -174,6 +176,14 @@ def agree_on_step(runtime: Any, failures: StepFailures) -> None:
         + "\n  ".join(lines)
     )
     raise error from failures.first
+
+
+def _gather_messages(mine: list[Any], group: dist.ProcessGroup | None) -> list[Any]:
+    """Every rank's ``mine`` over ``group``, concatenated in group-rank order (run only on
+    the failure path)."""
+    rows: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(rows, mine, group=group)
+    return [entry for row in rows for entry in row]
 
 
 def _all_reduce(flag: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
